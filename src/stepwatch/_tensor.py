@@ -1,0 +1,53 @@
+"""``stepwatch.Tensor``: the type of ``cb_params.net_outputs``.
+
+A ``torch.Tensor`` subclass that adds MindSpore's ``asnumpy()`` so callback code written for
+MindSpore (``if isinstance(loss, Tensor): loss = loss.asnumpy()``) runs unchanged. Operations on it
+return plain ``torch.Tensor`` objects, so it adds no cost to the arithmetic users do with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Tensor"]
+
+
+class Tensor(torch.Tensor):
+    """A ``torch.Tensor`` with MindSpore's ``asnumpy()``.
+
+    ``float(t)``, comparisons with numbers and f-string formatting behave as for a number when
+    the tensor holds one value. Reading the value of a tensor that lives on a GPU copies it to
+    the host; stepwatch only hands you such a tensor, it never reads it for you on a quiet step.
+
+    Example:
+        >>> import torch, stepwatch
+        >>> t = torch.tensor(0.5).as_subclass(stepwatch.Tensor)
+        >>> t.asnumpy()
+        array(0.5, dtype=float32)
+        >>> f"{t:.2f}"
+        '0.50'
+    """
+
+    # Results of operations are plain tensors: no per-op subclass dispatch cost.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def asnumpy(self) -> np.ndarray:
+        """Return the value as a NumPy array (copied to the host if needed)."""
+        return torch.Tensor.detach(self).cpu().numpy()
+
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:
+            return format(self.item(), format_spec)
+        return torch.Tensor.__format__(torch.Tensor.as_subclass(self, torch.Tensor), format_spec)
+
+
+def as_stepwatch_tensor(value: Any) -> Any:
+    """Wrap a torch tensor as a detached :class:`Tensor`; leave anything else as it is."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().as_subclass(Tensor)
+    return value

@@ -1,0 +1,72 @@
+"""Argument checks shared by every public constructor.
+
+Each check raises TypeError for a wrong type and ValueError for a wrong value, and the message
+names the argument, what it got and what to pass instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__: list[str] = []
+
+
+def _got(value: Any) -> str:
+    return f"{value!r} with type '{type(value).__name__}'"
+
+
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    minimum: int | None = None,
+    allow_none: bool = False,
+) -> int | None:
+    """Return ``value`` if it is an int (not a bool) and at least ``minimum``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        expected = "an int" + (" or None" if allow_none else "")
+        raise TypeError(f"'{name}' must be {expected}, but got {_got(value)}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"'{name}' must be an int >= {minimum}, but got {_got(value)}.")
+    return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"'{name}' must be a bool (True or False), but got {_got(value)}.")
+    return value
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    minimum: float | None = None,
+    allow_none: bool = False,
+) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        expected = "a number" + (" or None" if allow_none else "")
+        raise TypeError(f"'{name}' must be {expected}, but got {_got(value)}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"'{name}' must be >= {minimum}, but got {_got(value)}.")
+    return float(value)
+
+
+def check_callable(name: str, value: Any, *, allow_none: bool = True) -> Any:
+    if value is None and allow_none:
+        return None
+    if not callable(value):
+        raise TypeError(f"'{name}' must be a callable or None, but got {_got(value)}.")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"'{name}' must be one of {choices}, but got {_got(value)}.")
+    if value not in choices:
+        raise ValueError(f"'{name}' must be one of {choices}, but got {value!r}.")
+    return value
