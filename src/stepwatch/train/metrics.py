@@ -62,7 +62,7 @@ def _class_predictions(y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Ten
     Scores of shape (N,) or (N, 1) with labels of the same shape are binary: a score above
     0.5 predicts class 1.
     """
-    if y_pred.ndim == y.ndim + 1:
+    if y_pred.ndim == y.ndim + 1 and y_pred.shape[:-1] == y.shape:
         return y_pred.argmax(dim=-1), y
     if y_pred.shape == y.shape and y_pred.ndim >= 2 and y_pred.shape[-1] > 1:
         return y_pred.argmax(dim=-1), y.argmax(dim=-1)

@@ -1,0 +1,181 @@
+"""LossMonitor, TimeMonitor, History and LambdaCallback: arguments, formats, cadence."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from stepwatch import History, LambdaCallback, LossMonitor, Model, TimeMonitor
+
+from .conftest import make_batches, make_model
+
+
+# -- LossMonitor ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "exc", "match"),
+    [
+        (-1, ValueError, r"'per_print_times' must be an int >= 0, but got -1 with type 'int'"),
+        ("10", TypeError, "'per_print_times' must be an int"),
+        (1.0, TypeError, "'per_print_times' must be an int"),
+        (None, TypeError, "'per_print_times' must be an int"),
+        (True, TypeError, "'per_print_times' must be an int"),
+    ],
+)
+def test_loss_monitor_args_validation(value: Any, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        LossMonitor(value)
+
+
+def test_loss_monitor_prints_on_global_step_cadence(capsys: pytest.CaptureFixture[str]) -> None:
+    make_model().train(2, make_batches(16), callbacks=[LossMonitor(10)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(",")[0] for line in lines] == [
+        "epoch: 1 step: 10",
+        "epoch: 2 step: 4",
+        "epoch: 2 step: 14",
+    ]
+    for line in lines:
+        assert re.fullmatch(r"epoch: \d+ step: \d+, loss is \d+\.\d+(e-?\d+)?", line)
+
+
+def test_loss_monitor_zero_never_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    make_model().train(1, make_batches(4), callbacks=[LossMonitor(0)])
+    assert capsys.readouterr().out == ""
+
+
+def test_loss_monitor_prints_eval_result_in_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    make_model(metrics={"accuracy"}).fit(
+        1, make_batches(2), make_batches(2), callbacks=[LossMonitor(0)]
+    )
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^Eval result: epoch 1, metrics: \{'accuracy': [\d.]+, 'eval_loss'", out, re.M
+    )
+
+
+def test_loss_monitor_warns_once_when_nothing_will_print() -> None:
+    with pytest.warns(UserWarning, match=r"per_print_times=50\) will print nothing") as record:
+        make_model().train(2, make_batches(4), callbacks=[LossMonitor(50)])
+    assert len(record) == 1
+
+
+def _nan_after(step: int) -> Any:
+    calls = {"n": 0}
+
+    def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        loss = nn.functional.cross_entropy(out, label)
+        return loss * float("nan") if calls["n"] >= step else loss
+
+    return loss_fn
+
+
+def test_loss_monitor_raises_on_nan_at_print_step(capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3))
+    model = Model(net, _nan_after(2), torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match=r"In epoch: 1 step: 2, loss is NAN or INF"):
+        model.train(1, make_batches(4), callbacks=[LossMonitor(1)])
+
+
+def test_loss_monitor_catches_nan_by_epoch_end_between_prints() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3))
+    model = Model(net, _nan_after(3), torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match="loss is NAN or INF"):
+        model.train(1, make_batches(8), callbacks=[LossMonitor(5)])
+
+
+# -- TimeMonitor ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"data_size": 0}, ValueError, "'data_size' must be an int >= 1"),
+        ({"data_size": "3"}, TypeError, "'data_size' must be an int or None"),
+        ({"data_time": 1}, TypeError, "'data_time' must be a bool"),
+    ],
+)
+def test_time_monitor_args_validation(kwargs: dict[str, Any], exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        TimeMonitor(**kwargs)
+
+
+_TIME_LINE = r"Train epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms"
+
+
+def test_time_monitor_prints_train_and_eval_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    make_model(metrics={"accuracy"}).fit(
+        2, make_batches(3), make_batches(2), callbacks=[TimeMonitor()]
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    assert re.fullmatch(r"Eval epoch time: \d+\.\d{3} ms, per step time: \d+\.\d{3} ms", lines[0])
+    assert re.fullmatch(_TIME_LINE, lines[1])
+
+
+def test_time_monitor_train_time_excludes_validation(capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    slow_eval = LambdaCallback(on_eval_step_end=lambda rc: time.sleep(0.05))
+    make_model(metrics={"accuracy"}).fit(
+        1, make_batches(2), make_batches(4), callbacks=[TimeMonitor(), slow_eval]
+    )
+    out = capsys.readouterr().out
+    eval_ms = float(re.search(r"Eval epoch time: ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    train_ms = float(re.search(r"Train epoch time: ([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    assert eval_ms >= 200
+    assert train_ms < eval_ms
+
+
+def test_time_monitor_data_time_and_data_size(capsys: pytest.CaptureFixture[str]) -> None:
+    make_model().train(1, make_batches(4), callbacks=[TimeMonitor(data_size=2, data_time=True)])
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(_TIME_LINE + r" \(data time: \d+\.\d{3} ms\)", line)
+    total, per_step = (float(v) for v in re.findall(r"([\d.]+) ms", line)[:2])
+    assert per_step == pytest.approx(total / 2, abs=0.002)
+
+
+def test_time_monitor_default_adds_no_step_hooks() -> None:
+    from stepwatch.train.callback import CallbackList
+
+    table = CallbackList([TimeMonitor()]).table
+    assert not table["on_train_step_begin"] and not table["on_train_step_end"]
+    assert CallbackList([TimeMonitor(data_time=True)]).table["on_train_step_end"]
+
+
+# -- History -------------------------------------------------------------------------------
+def test_history_records_plain_floats_per_epoch_and_resets() -> None:
+    history = History()
+    model = make_model(metrics={"accuracy"})
+    model.fit(3, make_batches(3), make_batches(2), valid_frequency=2, callbacks=[history])
+    assert history.epoch == {"epoch": [1, 2, 3]}
+    h = history.history
+    assert set(h) == {"net_output", "loss", "train_accuracy", "accuracy", "eval_loss"}
+    assert all(len(v) == 3 for v in h.values())
+    assert all(type(v) is float for values in h.values() for v in values)
+    assert math.isnan(h["accuracy"][0]) and not math.isnan(h["accuracy"][1])
+    model.train(1, make_batches(1), callbacks=[history])
+    assert history.epoch == {"epoch": [1]} and set(history.history) == {
+        "net_output",
+        "loss",
+        "train_accuracy",
+    }
+
+
+# -- LambdaCallback ------------------------------------------------------------------------
+def test_lambda_callback_validation_and_calls() -> None:
+    with pytest.raises(TypeError, match="'on_train_step_end' must be a callable or None"):
+        LambdaCallback(on_train_step_end=3)  # type: ignore[arg-type]
+    events: list[str] = []
+    cb = LambdaCallback(
+        on_train_begin=lambda rc: events.append("begin"),
+        on_train_epoch_end=lambda rc: events.append(f"epoch{rc.original_args().cur_epoch_num}"),
+        on_eval_end=lambda rc: events.append("eval"),
+    )
+    make_model(metrics={"accuracy"}).fit(2, make_batches(1), make_batches(1), callbacks=cb)
+    assert events == ["begin", "eval", "epoch1", "eval", "epoch2"]
