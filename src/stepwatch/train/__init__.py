@@ -2,10 +2,16 @@
 
 from . import metrics
 from .callback import (
+    BackupAndRestore,
     Callback,
+    CheckpointConfig,
+    EarlyStopping,
     History,
     LambdaCallback,
     LossMonitor,
+    ModelCheckpoint,
+    OnRequestExit,
+    ReduceLROnPlateau,
     RunContext,
     TimeMonitor,
 )
@@ -22,24 +28,33 @@ from .metrics import (
     TopKCategoricalAccuracy,
 )
 from .model import Model
+from .serialization import load_checkpoint, save_checkpoint
 
 __all__ = [
     "MAE",
     "MSE",
     "Accuracy",
+    "BackupAndRestore",
     "Callback",
+    "CheckpointConfig",
+    "EarlyStopping",
     "History",
     "LambdaCallback",
     "Loss",
     "LossMonitor",
     "Metric",
     "Model",
+    "ModelCheckpoint",
+    "OnRequestExit",
     "Precision",
     "Recall",
+    "ReduceLROnPlateau",
     "RunContext",
     "TimeMonitor",
     "Top1CategoricalAccuracy",
     "Top5CategoricalAccuracy",
     "TopKCategoricalAccuracy",
+    "load_checkpoint",
     "metrics",
+    "save_checkpoint",
 ]

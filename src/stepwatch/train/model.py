@@ -6,6 +6,7 @@ import copy
 import inspect
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -17,6 +18,13 @@ from .._validation import check_bool, check_int
 from ..dataset import dataset_size, first_batch, set_epoch
 from .callback._callback import CallbackList, CallbackParams, RunContext, normalize_callbacks
 from .metrics import build_metrics
+from .serialization import (
+    check_state_keys,
+    load_checkpoint,
+    load_checkpoint_states,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["Model"]
 
@@ -326,6 +334,7 @@ class Model:
         dataset_sink_mode: bool = False,
         sink_size: int = -1,
         initial_epoch: int = 0,
+        resume_from: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train for epochs ``initial_epoch + 1`` .. ``epoch``.
 
@@ -337,14 +346,26 @@ class Model:
                 steps run one at a time and every step hook is called.
             sink_size: with ``dataset_sink_mode=True`` and ``sink_size > 0``, each epoch runs
                 ``sink_size`` steps and the data continues where the last epoch stopped.
-            initial_epoch: epochs already done (for resuming).
+            initial_epoch: epochs already done (MindSpore's way to continue numbering).
+            resume_from: a checkpoint file (from ModelCheckpoint, BackupAndRestore or
+                OnRequestExit). Restores the network, optimizer, random generators and callback
+                states, and continues at the saved epoch and step; ``initial_epoch`` is then
+                taken from the checkpoint.
 
         Raises:
             TypeError / ValueError: bad arguments, an empty dataset, a batch that is not
                 ``(data, label)`` when ``loss_fn`` is set, or no optimizer.
         """
         self._run(
-            epoch, train_dataset, callbacks, None, 1, dataset_sink_mode, sink_size, initial_epoch
+            epoch,
+            train_dataset,
+            callbacks,
+            None,
+            1,
+            dataset_sink_mode,
+            sink_size,
+            initial_epoch,
+            resume_from,
         )
 
     def fit(
@@ -358,6 +379,7 @@ class Model:
         valid_dataset_sink_mode: bool = False,
         sink_size: int = -1,
         initial_epoch: int = 0,
+        resume_from: str | os.PathLike[str] | None = None,
     ) -> None:
         """Train, validating on ``valid_dataset`` after every ``valid_frequency`` epochs.
 
@@ -367,7 +389,7 @@ class Model:
 
         Args:
             valid_frequency: an int k (validate every k epochs) or a list of epoch numbers.
-            Others as in :meth:`train`.
+            Others (``resume_from`` too) as in :meth:`train`.
         """
         check_bool("valid_dataset_sink_mode", valid_dataset_sink_mode)
         self._check_valid_frequency(valid_frequency)
@@ -383,6 +405,7 @@ class Model:
             dataset_sink_mode,
             sink_size,
             initial_epoch,
+            resume_from,
         )
 
     def eval(
@@ -458,10 +481,17 @@ class Model:
         dataset_sink_mode: bool,
         sink_size: int,
         initial_epoch: int,
+        resume_from: str | os.PathLike[str] | None,
     ) -> None:
         self._check_epochs(epoch, initial_epoch)
         self._check_sink(dataset_sink_mode, sink_size)
         cb_list = CallbackList(normalize_callbacks(callbacks))
+        check_state_keys(cb_list)
+        if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
+            raise TypeError(
+                f"'resume_from' must be a checkpoint path or None, but got {resume_from!r} with "
+                f"type '{type(resume_from).__name__}'."
+            )
         if self._optimizer is None:
             raise ValueError(
                 "Model.train()/fit() needs an optimizer: create the Model with "
@@ -488,11 +518,33 @@ class Model:
         run_context = RunContext(cb_params)
         source = _ContinuingBatches(train_dataset) if sinking else None
 
+        resume = self._load_resume_point(resume_from, cb_list, epoch)
+        skip = 0
+        if resume is not None:
+            initial_epoch, skip = resume["initial_epoch"], resume["skip"]
+            if initial_epoch >= epoch:
+                logger.info(
+                    "nothing to train: the checkpoint is at epoch %d of %d", initial_epoch, epoch
+                )
+                return
+            cb_params.epoch_num = epoch - initial_epoch
+            cb_params.initial_epoch = initial_epoch
+            cb_params.initial_step = resume["step"] - skip
+            cb_params.cur_step_num = cb_params.initial_step
+            cb_params.cur_epoch_num = initial_epoch
+
         with cb_list.entered():
             cb_list.call("on_train_begin", run_context)
+            if resume is not None:
+                # After on_train_begin, which resets callbacks: the saved state wins.
+                load_checkpoint_states(resume["state"], cb_list)
             for epoch_index in range(initial_epoch, epoch):
                 cb_params.cur_epoch_num = epoch_index + 1
                 cb_params.loss = None
+                if skip:
+                    assert resume is not None
+                    set_rng_state(resume["state"]["epoch_rng"])
+                cb_params._epoch_start_rng = rng_state()
                 set_epoch(train_dataset, epoch_index)
                 cb_list.call("on_train_epoch_begin", run_context)
                 batches: Iterable[Any] = (
@@ -500,6 +552,10 @@ class Model:
                     if source is not None
                     else train_dataset
                 )
+                if skip:
+                    assert resume is not None
+                    batches = _skip_then_restore(batches, skip, resume["state"]["rng"])
+                    skip = 0
                 train_results = self._train_epoch(batches, cb_list, cb_params, run_context)
                 cb_params.train_results = train_results
                 cb_params.loss = train_results.get("loss")
@@ -526,6 +582,42 @@ class Model:
                 cb_params.cur_step_num,
                 reason,
             )
+
+    def _load_resume_point(
+        self, resume_from: Any, cb_list: CallbackList, epoch: int
+    ) -> dict[str, Any] | None:
+        """Restore the network, optimizer and RNG from a checkpoint; say where to continue."""
+        explicit = resume_from is not None
+        if not explicit:
+            for cb in cb_list:
+                finder = getattr(cb, "resume_checkpoint", None)
+                if callable(finder) and (found := finder()) is not None:
+                    resume_from = found
+                    break
+        if resume_from is None:
+            return None
+        state = load_checkpoint(resume_from, self)
+        if "epoch" not in state:
+            raise ValueError(
+                f"{str(resume_from)!r} holds weights only (written by save_checkpoint); resuming "
+                "needs a checkpoint from ModelCheckpoint, BackupAndRestore or OnRequestExit."
+            )
+        if state["epoch_complete"]:
+            initial_epoch, skip = state["epoch"], 0
+        else:
+            initial_epoch, skip = state["epoch"] - 1, state["step_in_epoch"]
+        if explicit and initial_epoch >= epoch:
+            raise ValueError(
+                f"'resume_from' checkpoint {str(resume_from)!r} is at epoch {state['epoch']}; "
+                f"'epoch' must be larger than that to train more, but got {epoch}."
+            )
+        if not skip or state.get("epoch_rng") is None:
+            set_rng_state(state["rng"])
+            skip = 0 if state.get("epoch_rng") is None else skip
+        logger.info(
+            "resuming from %s at epoch %d, step %d", resume_from, state["epoch"], state["step"]
+        )
+        return {"state": state, "initial_epoch": initial_epoch, "skip": skip, "step": state["step"]}
 
     @staticmethod
     def _should_eval(epoch_number: int, valid_frequency: int | list[int]) -> bool:
@@ -695,6 +787,15 @@ class Model:
         finally:
             network.train(was_training)
         return metrics, results
+
+
+def _skip_then_restore(batches: Iterable[Any], skip: int, rng: dict[str, Any]) -> Iterator[Any]:
+    """Drop the first ``skip`` batches (done before the checkpoint), then restore the RNG."""
+    iterator = iter(batches)
+    for _ in range(skip):
+        next(iterator, None)
+    set_rng_state(rng)
+    yield from iterator
 
 
 class _ContinuingBatches:

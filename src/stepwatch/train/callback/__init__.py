@@ -1,18 +1,31 @@
 """MindSpore-style callbacks: ``from stepwatch.train.callback import Callback, LossMonitor``."""
 
 from ._callback import Callback, CallbackList, CallbackParams, RunContext
+from ._monitor import MonitorCallback
+from .backup_and_restore import BackupAndRestore
+from .checkpoint import CheckpointConfig, ModelCheckpoint
+from .early_stopping import EarlyStopping
 from .history import History
 from .lambda_callback import LambdaCallback
 from .loss_monitor import LossMonitor
+from .on_request_exit import OnRequestExit
+from .reduce_lr_on_plateau import ReduceLROnPlateau
 from .time_monitor import TimeMonitor
 
 __all__ = [
+    "BackupAndRestore",
     "Callback",
     "CallbackList",
     "CallbackParams",
+    "CheckpointConfig",
+    "EarlyStopping",
     "History",
     "LambdaCallback",
     "LossMonitor",
+    "ModelCheckpoint",
+    "MonitorCallback",
+    "OnRequestExit",
+    "ReduceLROnPlateau",
     "RunContext",
     "TimeMonitor",
 ]

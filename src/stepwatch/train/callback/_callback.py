@@ -60,6 +60,30 @@ class Callback:
 
     order: int = 0
 
+    # -- state saved in checkpoints ---------------------------------------------------------
+    @property
+    def state_key(self) -> str:
+        """The key under which this callback's state is saved in checkpoints.
+
+        Unique per run: two stateful callbacks with the same key are rejected. Callbacks that
+        may appear twice with different settings include those settings in the key.
+        """
+        return type(self).__qualname__
+
+    def _state_key_with(self, **settings: Any) -> str:
+        return f"{type(self).__qualname__}{settings!r}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the state to save in checkpoints (override to make a callback stateful).
+
+        Values must be numbers, strings, lists, dicts or tensors (checkpoints load with
+        ``weights_only=True``).
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the state returned by :meth:`state_dict`."""
+
     def __enter__(self) -> Callback:
         return self
 

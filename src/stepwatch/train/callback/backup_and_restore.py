@@ -1,0 +1,85 @@
+"""``BackupAndRestore``: a restarted job continues where the last one stopped."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..._validation import check_bool, check_int
+from ..serialization import build_checkpoint, write_atomic
+from ._callback import Callback, RunContext
+
+__all__ = ["BackupAndRestore"]
+
+
+class BackupAndRestore(Callback):
+    """Back the run up to ``backup_dir``; a job started again with the same callback resumes.
+
+    At the start of ``train``/``fit``, if ``backup_dir`` holds a backup, the network, optimizer,
+    random generators, counters and callback states are restored from it and training continues
+    at the saved epoch and step. At a normal end the backup is deleted (``delete_checkpoint``);
+    when there is none, nothing happens.
+
+    Args:
+        backup_dir: the folder for the backup file (``backup.pt``); created if missing.
+        save_freq: ``'epoch'`` (back up at each epoch end) or a number of steps.
+        delete_checkpoint: delete the backup when training ends normally.
+
+    Raises:
+        TypeError / ValueError: for arguments of the wrong type or value.
+    """
+
+    order = 100
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike[str],
+        save_freq: str | int = "epoch",
+        delete_checkpoint: bool = True,
+    ) -> None:
+        if not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
+            raise TypeError(
+                f"'backup_dir' must be a non-empty str or path, but got {backup_dir!r}."
+            )
+        if save_freq != "epoch":
+            if isinstance(save_freq, str):
+                raise ValueError(f"'save_freq' must be 'epoch' or an int >= 1, got {save_freq!r}.")
+            check_int("save_freq", save_freq, minimum=1)
+        self.backup_dir = Path(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
+
+    @property
+    def backup_path(self) -> Path:
+        return self.backup_dir / "backup.pt"
+
+    @property
+    def state_key(self) -> str:
+        return self._state_key_with(backup_dir=str(self.backup_dir))
+
+    def resume_checkpoint(self) -> Path | None:
+        """The backup to resume from, if there is one (the Model asks before training)."""
+        return self.backup_path if self.backup_path.is_file() else None
+
+    def _backup(self, run_context: RunContext, epoch_complete: bool) -> None:
+        state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
+        write_atomic(state, self.backup_path)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        if self.save_freq == "epoch":
+            return
+        p = run_context.original_args()
+        last_of_epoch = (p.cur_step_num - 1) % p.batch_num + 1 == p.batch_num
+        assert isinstance(self.save_freq, int)
+        if p.cur_step_num % self.save_freq == 0 and not last_of_epoch:
+            self._backup(run_context, epoch_complete=False)
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        self._backup(run_context, epoch_complete=True)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        if self.delete_checkpoint:
+            try:
+                self.backup_path.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,425 @@
+"""``CheckpointConfig`` and ``ModelCheckpoint``: save resumable checkpoints as training runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..._validation import check_bool, check_int, check_number
+from ..serialization import build_checkpoint, remove_stale_temporaries, write_atomic
+from ._callback import CallbackParams, RunContext
+from ._monitor import MonitorCallback
+
+__all__ = ["CheckpointConfig", "ModelCheckpoint"]
+
+logger = logging.getLogger("stepwatch")
+
+
+class CheckpointConfig:
+    """When and what :class:`ModelCheckpoint` saves.
+
+    Args:
+        save_checkpoint_steps: save every N global steps (set, it turns the seconds policy off).
+        save_checkpoint_seconds: save when this many seconds passed since the last save.
+        keep_checkpoint_max: keep at most this many newest files (0/None: see the next).
+        keep_checkpoint_per_n_minutes: without a maximum, keep one file per N minutes.
+        integrated_save: accepted for MindSpore compatibility (always integrated on PyTorch).
+        async_save: write files on a background thread; training waits only for the copy of
+            the tensors to host memory, not for the disk.
+        saved_network: save this module's weights instead of the training network's.
+        append_info: extra values stored in the file: ``"epoch_num"``, ``"step_num"`` and at
+            most one dict of ``str`` to number/str.
+        exception_save: when training dies, write ``{prefix}-{epoch}_{step}_breakpoint.pt``.
+        save_best_only: save at epoch ends only when ``monitor`` improved (the step and
+            seconds policies are then off).
+        monitor / mode / min_delta: the value that decides "best" (see ``EarlyStopping``).
+        save_last: keep ``{prefix}-last.pt`` pointing at the newest file (a hard link, or a
+            copy where links are not possible).
+
+    Raises:
+        ValueError: the steps, seconds, max and per-n-minutes arguments are all 0/None; a
+            negative count; a bad ``append_info``.
+        TypeError: an argument of the wrong type.
+    """
+
+    def __init__(
+        self,
+        save_checkpoint_steps: int | None = 1,
+        save_checkpoint_seconds: int | None = 0,
+        keep_checkpoint_max: int | None = 5,
+        keep_checkpoint_per_n_minutes: int | None = 0,
+        integrated_save: bool = True,
+        async_save: bool = False,
+        saved_network: nn.Module | None = None,
+        append_info: list[Any] | None = None,
+        exception_save: bool = False,
+        save_best_only: bool = False,
+        monitor: str = "eval_loss",
+        mode: str = "auto",
+        min_delta: float = 0.0,
+        save_last: bool = True,
+    ) -> None:
+        steps = check_int(
+            "save_checkpoint_steps", save_checkpoint_steps, minimum=0, allow_none=True
+        )
+        seconds = check_int(
+            "save_checkpoint_seconds", save_checkpoint_seconds, minimum=0, allow_none=True
+        )
+        keep_max = check_int("keep_checkpoint_max", keep_checkpoint_max, minimum=0, allow_none=True)
+        per_minutes = check_int(
+            "keep_checkpoint_per_n_minutes",
+            keep_checkpoint_per_n_minutes,
+            minimum=0,
+            allow_none=True,
+        )
+        if not steps and not seconds and not keep_max and not per_minutes:
+            raise ValueError(
+                "The input arguments 'save_checkpoint_steps', 'save_checkpoint_seconds', "
+                "'keep_checkpoint_max' and 'keep_checkpoint_per_n_minutes' can't be all None or 0."
+            )
+        if steps:
+            seconds = 0
+        if keep_max:
+            per_minutes = 0
+        elif not per_minutes:
+            keep_max = 1
+        self.save_checkpoint_steps = steps or 0
+        self.save_checkpoint_seconds = seconds or 0
+        self.keep_checkpoint_max = keep_max or 0
+        self.keep_checkpoint_per_n_minutes = per_minutes or 0
+        self.integrated_save = check_bool("integrated_save", integrated_save)
+        self.async_save = check_bool("async_save", async_save)
+        if saved_network is not None and not isinstance(saved_network, nn.Module):
+            raise TypeError(
+                f"'saved_network' must be a torch.nn.Module or None, but got "
+                f"{type(saved_network).__name__}."
+            )
+        self.saved_network = saved_network
+        self.append_info = self._check_append_info(append_info)
+        self.exception_save = check_bool("exception_save", exception_save)
+        self.save_best_only = check_bool("save_best_only", save_best_only)
+        self.monitor = monitor
+        self.mode = mode
+        self.min_delta = check_number("min_delta", min_delta, minimum=0.0) or 0.0
+        self.save_last = check_bool("save_last", save_last)
+
+    @staticmethod
+    def _check_append_info(append_info: Any) -> list[Any]:
+        if append_info is None:
+            return []
+        if not isinstance(append_info, list):
+            raise TypeError(
+                f"'append_info' must be a list or None, but got {type(append_info).__name__}."
+            )
+        dicts = 0
+        for item in append_info:
+            if isinstance(item, str):
+                if item not in ("epoch_num", "step_num"):
+                    raise ValueError(
+                        "'append_info' strings must be 'epoch_num' or 'step_num', but got "
+                        f"{item!r}."
+                    )
+            elif isinstance(item, dict):
+                dicts += 1
+                for key, value in item.items():
+                    if (
+                        not isinstance(key, str)
+                        or isinstance(value, bool)
+                        or not isinstance(value, (int, float, str))
+                    ):
+                        raise TypeError(
+                            "'append_info' dict entries must map str to int, float or str, but "
+                            f"got {key!r}: {value!r}."
+                        )
+            else:
+                raise TypeError(
+                    "'append_info' items must be 'epoch_num', 'step_num' or a dict, but got "
+                    f"{item!r}."
+                )
+        if dicts > 1:
+            raise ValueError("'append_info' may hold at most one dict.")
+        return list(append_info)
+
+
+class _AsyncWriter:
+    """One background thread writing checkpoint files, at most one waiting behind it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="stepwatch-ckpt", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            state, path, after = job
+            try:
+                write_atomic(state, path)
+                after(path)
+            except BaseException as exc:  # reported on the training thread
+                self._error = exc
+
+    def submit(self, state: dict[str, Any], path: Path, after: Any) -> None:
+        self.raise_error()
+        self._queue.put((state, path, after))
+
+    def raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"saving a checkpoint in the background failed: {error}") from error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self.raise_error()
+
+
+class ModelCheckpoint(MonitorCallback):
+    """Save checkpoints ``{prefix}-{epoch}_{step_in_epoch}.pt`` while training.
+
+    Each file holds the network, the optimizer, the epoch and step, every random generator and
+    the state of each stateful callback (EarlyStopping's patience, ...), so
+    ``model.fit(..., resume_from=path)`` continues the run exactly. Files are written atomically.
+    Checkpoints are saved on the step/seconds policy of ``config`` and once more at the end of
+    training; a save that falls on an epoch's last step is made at the end of the epoch, after
+    validation and the other callbacks' epoch-end work, so it resumes at the next epoch.
+
+    Args:
+        prefix: file name prefix (no path separators). If files with this prefix already exist
+            in ``directory``, ``prefix_1``, ``prefix_2``, ... is used, as MindSpore does.
+        directory: where to save (default: the current directory); created if missing.
+        config: a :class:`CheckpointConfig` (default ``CheckpointConfig()``).
+
+    Attributes:
+        latest_ckpt_file_name: path of the newest file.
+        best_ckpt_file_name: with ``save_best_only``, path of the best file.
+
+    Raises:
+        TypeError: ``prefix`` not a str, ``directory`` not a path, ``config`` not a
+            CheckpointConfig.
+        ValueError: ``prefix`` contains a path separator or is empty.
+    """
+
+    order = 100  # after the callbacks whose state it saves
+
+    def __init__(
+        self,
+        prefix: str = "CKP",
+        directory: str | os.PathLike[str] | None = None,
+        config: CheckpointConfig | None = None,
+    ) -> None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"'prefix' must be a str, but got {type(prefix).__name__}.")
+        if not prefix or "/" in prefix or os.sep in prefix:
+            raise ValueError(
+                f"'prefix' must be a file name prefix without '/', but got {prefix!r}; put the "
+                "folder in 'directory'."
+            )
+        if directory is not None and not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"'directory' must be a str, a path or None, but got {type(directory).__name__}."
+            )
+        if config is None:
+            config = CheckpointConfig()
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(
+                f"'config' must be a CheckpointConfig or None, but got {type(config).__name__}."
+            )
+        super().__init__(config.monitor, config.mode, config.min_delta)
+        self._prefix_requested = prefix
+        self.prefix = prefix
+        self.directory = Path(directory) if directory is not None else Path.cwd()
+        self.config = config
+        self.latest_ckpt_file_name: str | None = None
+        self.best_ckpt_file_name: str | None = None
+        self._saved: list[tuple[Path, float]] = []
+        self._last_save_step = 0
+        self._last_save_time = time.monotonic()
+        self._pending_epoch_save = False
+        self._writer: _AsyncWriter | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def state_key(self) -> str:
+        return self._state_key_with(directory=str(self.directory), prefix=self._prefix_requested)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(self.directory, "")
+        self.prefix = self._free_prefix()
+        self._saved = []
+        self._reset_monitor()
+        self._last_save_step = run_context.original_args().cur_step_num
+        self._last_save_time = time.monotonic()
+        self._pending_epoch_save = False
+        self._cb_params = run_context.original_args()
+        if self.config.async_save and self._writer is None:
+            self._writer = _AsyncWriter()
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        cfg = self.config
+        if cfg.save_best_only:
+            return
+        cb_params = run_context.original_args()
+        step = cb_params.cur_step_num
+        by_steps = bool(cfg.save_checkpoint_steps) and (
+            step - self._last_save_step >= cfg.save_checkpoint_steps
+        )
+        by_seconds = bool(cfg.save_checkpoint_seconds) and (
+            time.monotonic() - self._last_save_time >= cfg.save_checkpoint_seconds
+        )
+        if not (by_steps or by_seconds):
+            return
+        if (step - 1) % cb_params.batch_num + 1 == cb_params.batch_num:
+            self._pending_epoch_save = True  # the epoch end saves it, with the epoch's state
+            return
+        self._save(cb_params, epoch_complete=False)
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        cb_params = run_context.original_args()
+        if self.config.save_best_only:
+            current = self.monitor_value(cb_params)
+            if current is not None and self.is_improvement(current):
+                self.best = current
+                path = self._save(cb_params, epoch_complete=True)
+                self.best_ckpt_file_name = str(path)
+            return
+        if self._pending_epoch_save or run_context.get_stop_requested():
+            self._save(cb_params, epoch_complete=True)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        cb_params = run_context.original_args()
+        if not self.config.save_best_only and self._last_save_step != cb_params.cur_step_num:
+            self._save(cb_params, epoch_complete=True)
+        self._close_writer()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is not None and self.config.exception_save and self._cb_params is not None:
+                p = self._cb_params
+                name = f"{self.prefix}-{p.cur_epoch_num}_{self._step_in_epoch(p)}_breakpoint.pt"
+                state = build_checkpoint(
+                    p,
+                    epoch_complete=False,
+                    network=self.config.saved_network,
+                    append_info=self._append_info(p),
+                )
+                path = write_atomic(state, self.directory / name)
+                logger.warning("training failed; breakpoint checkpoint saved to %s", path)
+        finally:
+            self._close_writer(raise_errors=exc_type is None)
+
+    _cb_params: CallbackParams | None = None
+
+    # -- saving -------------------------------------------------------------------------------
+    def _free_prefix(self) -> str:
+        prefix, n = self._prefix_requested, 0
+        while any(self.directory.glob(f"{prefix}-*.pt")):
+            n += 1
+            prefix = f"{self._prefix_requested}_{n}"
+        return prefix
+
+    @staticmethod
+    def _step_in_epoch(cb_params: CallbackParams) -> int:
+        return (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
+
+    def _append_info(self, cb_params: CallbackParams) -> dict[str, Any]:
+        info: dict[str, Any] = {}
+        for item in self.config.append_info:
+            if item == "epoch_num":
+                info["epoch_num"] = cb_params.cur_epoch_num
+            elif item == "step_num":
+                info["step_num"] = cb_params.cur_step_num
+            else:
+                info.update(item)
+        return info
+
+    def _save(self, cb_params: CallbackParams, *, epoch_complete: bool) -> Path:
+        self._pending_epoch_save = False
+        self._last_save_step = cb_params.cur_step_num
+        self._last_save_time = time.monotonic()
+        name = f"{self.prefix}-{cb_params.cur_epoch_num}_{self._step_in_epoch(cb_params)}.pt"
+        path = self.directory / name
+        state = build_checkpoint(
+            cb_params,
+            epoch_complete=epoch_complete,
+            network=self.config.saved_network,
+            append_info=self._append_info(cb_params),
+            copy=self._writer is not None,
+        )
+        cb_params.latest_ckpt_file = str(path)
+        cb_params.last_save_ckpt_step = cb_params.cur_step_num
+        self.latest_ckpt_file_name = str(path)
+        if self._writer is not None:
+            self._writer.submit(state, path, self._after_save)
+        else:
+            write_atomic(state, path)
+            self._after_save(path)
+        return path
+
+    def _after_save(self, path: Path) -> None:
+        with self._lock:
+            self._saved = [(p, t) for p, t in self._saved if p != path]
+            self._saved.append((path, time.monotonic()))
+            self._prune()
+            if self.config.save_last:
+                self._link_last(path)
+
+    def _prune(self) -> None:
+        cfg = self.config
+        if cfg.keep_checkpoint_max:
+            while len(self._saved) > cfg.keep_checkpoint_max:
+                old, _ = self._saved.pop(0)
+                _unlink(old)
+        elif cfg.keep_checkpoint_per_n_minutes and len(self._saved) >= 3:
+            # Keep the newest file and one per N minutes before it.
+            (_, t_kept), (middle, t_mid), _ = self._saved[-3:]
+            if t_mid - t_kept < cfg.keep_checkpoint_per_n_minutes * 60:
+                _unlink(middle)
+                del self._saved[-2]
+
+    def _link_last(self, path: Path) -> None:
+        last = self.directory / f"{self.prefix}-last.pt"
+        tmp = self.directory / f".tmp-{self.prefix}-last.pt"
+        _unlink(tmp)
+        try:
+            os.link(path, tmp)
+        except OSError:
+            import shutil
+
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, last)
+
+    def _close_writer(self, raise_errors: bool = True) -> None:
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return
+        try:
+            writer.close()
+        except RuntimeError:
+            if raise_errors:
+                raise
+            warnings.warn("a background checkpoint save failed", RuntimeWarning, stacklevel=2)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_ckpt_file_name": self.best_ckpt_file_name or ""}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = float(state["best"])
+        self.best_ckpt_file_name = state.get("best_ckpt_file_name") or None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

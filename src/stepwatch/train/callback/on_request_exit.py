@@ -1,0 +1,120 @@
+"""``OnRequestExit``: end the run cleanly, with a checkpoint, when the process is asked to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..._validation import check_bool
+from ..serialization import build_checkpoint, write_atomic
+from ._callback import Callback, RunContext
+
+__all__ = ["OnRequestExit"]
+
+logger = logging.getLogger("stepwatch")
+
+
+class OnRequestExit(Callback):
+    """On SIGTERM or SIGINT, finish the current step, save a checkpoint and end the run.
+
+    The signal only sets a flag; the step in flight completes, a resumable checkpoint
+    ``{directory}/{file_name}.pt`` is written, and the run ends through the normal path
+    (validation, ``on_train_epoch_end``, ``on_train_end`` and every ``__exit__`` run), so the
+    process can exit 0. A second SIGINT while stopping interrupts at once (KeyboardInterrupt).
+    Resume with ``model.fit(..., resume_from=f"{directory}/{file_name}.pt")``.
+
+    Args:
+        save_ckpt: write the checkpoint before stopping.
+        file_name: the checkpoint's file name, without ``.pt``.
+        directory: where to write it (created if missing).
+        sig: the signal or signals to handle (default SIGTERM and SIGINT).
+
+    Raises:
+        TypeError / ValueError: for arguments of the wrong type or value.
+    """
+
+    order = 100
+
+    def __init__(
+        self,
+        save_ckpt: bool = True,
+        file_name: str = "Net",
+        directory: str | os.PathLike[str] = "./",
+        sig: int | Iterable[int] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        self.save_ckpt = check_bool("save_ckpt", save_ckpt)
+        if not isinstance(file_name, str) or not file_name or "/" in file_name:
+            raise ValueError(f"'file_name' must be a file name without '/', but got {file_name!r}.")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"'directory' must be a str or path, but got {type(directory).__name__}."
+            )
+        signals = [sig] if isinstance(sig, int) else list(sig)
+        valid = set(signal.valid_signals())
+        for s in signals:
+            if isinstance(s, bool) or not isinstance(s, int) or s not in valid:
+                raise ValueError(f"'sig' must be signal numbers such as signal.SIGTERM, got {s!r}.")
+        if not signals:
+            raise ValueError("'sig' must name at least one signal.")
+        self.file_name = file_name
+        self.directory = Path(directory)
+        self.signals = [signal.Signals(s) for s in signals]
+        self.received: signal.Signals | None = None
+        self.checkpoint_path: Path | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.file_name}.pt"
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum)
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self.received = None
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn(
+                "OnRequestExit only works when training runs on the main thread; signals are "
+                "not handled.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handle)
+
+    def _restore_handlers(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def _stop(self, run_context: RunContext, epoch_complete: bool) -> None:
+        assert self.received is not None
+        reason = f"received {self.received.name}"
+        if self.save_ckpt and self.checkpoint_path is None:
+            state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
+            self.checkpoint_path = write_atomic(state, self.path)
+            reason += f"; checkpoint saved to {self.checkpoint_path}"
+        run_context.request_stop(reason)
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        if self.received is not None and not run_context.get_stop_requested():
+            self._stop(run_context, epoch_complete=False)
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        if self.received is not None and self.checkpoint_path is None:
+            self._stop(run_context, epoch_complete=True)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self._restore_handlers()
+
+    def __exit__(self, *err: Any) -> None:
+        self._restore_handlers()
