@@ -5,28 +5,35 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import stepwatch
+from stepwatch import load_checkpoint
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "stepwatch", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
 
 
-def test_demo_trains_digits_past_ninety_percent() -> None:
-    result = _run("demo", "--epochs", "6", "--device", "cpu")
+def test_demo_trains_digits_past_ninety_percent(tmp_path: Path) -> None:
+    result = _run("demo", "--epochs", "6", "--device", "cpu", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(r"^epoch: 1 step: 22, loss is [\d.]+$", out, re.M)
     assert re.search(r"^Train epoch time: [\d.]+ ms, per step time: [\d.]+ ms$", out, re.M)
     accuracy = float(re.search(r"^validation accuracy: ([\d.]+)", out, re.M).group(1))  # type: ignore[union-attr]
     assert accuracy > 0.9
+    best = re.search(r"^best checkpoint: (\S+)$", out, re.M).group(1)  # type: ignore[union-attr]
+    assert load_checkpoint(tmp_path / best)["epoch_complete"]
 
 
 def test_version_and_bad_arguments() -> None:

@@ -28,9 +28,12 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"stepwatch {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = sub.add_parser("demo", help="train a small digits classifier with the built-in monitors")
-    demo.add_argument("--epochs", type=_positive_int, default=12, help="epochs (default 12)")
+    demo.add_argument("--epochs", type=_positive_int, default=20, help="epochs (default 20)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available)")
+    demo.add_argument(
+        "--checkpoint-dir", default="checkpoints", help="where the best model is saved"
+    )
     return parser
 
 
@@ -43,7 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        run_demo(epochs=args.epochs, seed=args.seed, device=args.device)
+        run_demo(
+            epochs=args.epochs,
+            seed=args.seed,
+            device=args.device,
+            checkpoint_dir=args.checkpoint_dir,
+        )
         return 0
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover
     return 2  # pragma: no cover

@@ -14,7 +14,16 @@ import torch
 from torch import nn
 
 from .dataset import NumpySlicesDataset
-from .train import History, LossMonitor, Model, TimeMonitor
+from .train import (
+    CheckpointConfig,
+    EarlyStopping,
+    History,
+    LossMonitor,
+    Model,
+    ModelCheckpoint,
+    ReduceLROnPlateau,
+    TimeMonitor,
+)
 
 __all__ = ["load_digits_datasets", "run_demo"]
 
@@ -44,14 +53,30 @@ def load_digits_datasets(
     return train, valid
 
 
-def run_demo(epochs: int = 12, seed: int = 0, device: str | None = None) -> dict[str, Any]:
-    """Train the digits classifier and return the final validation metrics and the history."""
+def run_demo(
+    epochs: int = 20,
+    seed: int = 0,
+    device: str | None = None,
+    checkpoint_dir: str = "checkpoints",
+) -> dict[str, Any]:
+    """Train the digits classifier and return the final validation metrics and the history.
+
+    Early stopping ends the run when the validation loss stalls, the learning rate halves on a
+    plateau, and the best model (by validation accuracy) is kept in ``checkpoint_dir``.
+    """
     torch.manual_seed(seed)
     train, valid = load_digits_datasets(seed=seed)
     network = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.Adam(network.parameters(), lr=2e-3)
     model = Model(network, nn.CrossEntropyLoss(), optimizer, metrics={"accuracy"}, device=device)
     history = History()
+    best = ModelCheckpoint(
+        prefix="digits",
+        directory=checkpoint_dir,
+        config=CheckpointConfig(
+            save_best_only=True, monitor="eval_accuracy", keep_checkpoint_max=1, save_last=False
+        ),
+    )
     steps = train.get_dataset_size()
     print(
         f"stepwatch demo: {train.num_rows} training and {valid.num_rows} validation digits, "
@@ -62,14 +87,22 @@ def run_demo(epochs: int = 12, seed: int = 0, device: str | None = None) -> dict
         epochs,
         train,
         valid,
-        callbacks=[LossMonitor(per_print_times=steps // 2), TimeMonitor(), history],
+        callbacks=[
+            LossMonitor(per_print_times=steps // 2),
+            TimeMonitor(),
+            history,
+            EarlyStopping(monitor="eval_loss", patience=3, min_delta=1e-3, verbose=True),
+            ReduceLROnPlateau(monitor="eval_loss", factor=0.5, patience=1, verbose=True),
+            best,
+        ],
     )
     final = model.eval(valid)
     accuracies = history.history["accuracy"]
-    best = int(np.nanargmax(accuracies))
+    best_index = int(np.nanargmax(accuracies))
     print(
         f"validation accuracy: {final['accuracy']:.4f} "
-        f"(best {accuracies[best]:.4f} at epoch {history.epoch['epoch'][best]})",
+        f"(best {accuracies[best_index]:.4f} at epoch {history.epoch['epoch'][best_index]})",
         flush=True,
     )
-    return {"metrics": final, "history": history}
+    print(f"best checkpoint: {best.best_ckpt_file_name}", flush=True)
+    return {"metrics": final, "history": history, "best_checkpoint": best.best_ckpt_file_name}
