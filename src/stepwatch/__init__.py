@@ -9,6 +9,8 @@ Quick start::
 
 from ._tensor import Tensor
 from .dataset import NumpySlicesDataset
+from .monitor import Every, RingBuffer
+from .store import RunRecorder, RunWriter, Store
 from .train import (
     MAE,
     MSE,
@@ -47,6 +49,7 @@ __all__ = [
     "CallbackParams",
     "CheckpointConfig",
     "EarlyStopping",
+    "Every",
     "History",
     "LambdaCallback",
     "Loss",
@@ -59,7 +62,11 @@ __all__ = [
     "Precision",
     "Recall",
     "ReduceLROnPlateau",
+    "RingBuffer",
     "RunContext",
+    "RunRecorder",
+    "RunWriter",
+    "Store",
     "Tensor",
     "TimeMonitor",
     "TopKCategoricalAccuracy",

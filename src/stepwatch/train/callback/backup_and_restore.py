@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..._validation import check_bool, check_int
+from ...monitor.schedule import Every
 from ..serialization import build_checkpoint, write_atomic
 from ._callback import Callback, RunContext
 
@@ -47,6 +48,7 @@ class BackupAndRestore(Callback):
             check_int("save_freq", save_freq, minimum=1)
         self.backup_dir = Path(backup_dir)
         self.save_freq = save_freq
+        self._schedule = Every(steps=save_freq if isinstance(save_freq, int) else None)
         self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
 
     @property
@@ -70,9 +72,11 @@ class BackupAndRestore(Callback):
             return
         p = run_context.original_args()
         last_of_epoch = (p.cur_step_num - 1) % p.batch_num + 1 == p.batch_num
-        assert isinstance(self.save_freq, int)
-        if p.cur_step_num % self.save_freq == 0 and not last_of_epoch:
+        if self._schedule.due(p.cur_step_num) and not last_of_epoch:
             self._backup(run_context, epoch_complete=False)
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self._schedule.reset(run_context.original_args().cur_step_num)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         self._backup(run_context, epoch_complete=True)

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..._validation import check_bool, check_int, check_number
+from ...monitor.schedule import Every
 from ..serialization import build_checkpoint, remove_stale_temporaries, write_atomic
 from ._callback import CallbackParams, RunContext
 from ._monitor import MonitorCallback
@@ -242,7 +243,7 @@ class ModelCheckpoint(MonitorCallback):
         self.best_ckpt_file_name: str | None = None
         self._saved: list[tuple[Path, float]] = []
         self._last_save_step = 0
-        self._last_save_time = time.monotonic()
+        self._schedule = Every(config.save_checkpoint_steps, config.save_checkpoint_seconds)
         self._pending_epoch_save = False
         self._writer: _AsyncWriter | None = None
         self._lock = threading.Lock()
@@ -259,25 +260,18 @@ class ModelCheckpoint(MonitorCallback):
         self._saved = []
         self._reset_monitor()
         self._last_save_step = run_context.original_args().cur_step_num
-        self._last_save_time = time.monotonic()
+        self._schedule.reset(self._last_save_step)
         self._pending_epoch_save = False
         self._cb_params = run_context.original_args()
         if self.config.async_save and self._writer is None:
             self._writer = _AsyncWriter()
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        cfg = self.config
-        if cfg.save_best_only:
+        if self.config.save_best_only:
             return
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
-        by_steps = bool(cfg.save_checkpoint_steps) and (
-            step - self._last_save_step >= cfg.save_checkpoint_steps
-        )
-        by_seconds = bool(cfg.save_checkpoint_seconds) and (
-            time.monotonic() - self._last_save_time >= cfg.save_checkpoint_seconds
-        )
-        if not (by_steps or by_seconds):
+        if not self._schedule.due(step):
             return
         if (step - 1) % cb_params.batch_num + 1 == cb_params.batch_num:
             self._pending_epoch_save = True  # the epoch end saves it, with the epoch's state
@@ -346,7 +340,7 @@ class ModelCheckpoint(MonitorCallback):
     def _save(self, cb_params: CallbackParams, *, epoch_complete: bool) -> Path:
         self._pending_epoch_save = False
         self._last_save_step = cb_params.cur_step_num
-        self._last_save_time = time.monotonic()
+        self._schedule.reset(cb_params.cur_step_num)
         name = f"{self.prefix}-{cb_params.cur_epoch_num}_{self._step_in_epoch(cb_params)}.pt"
         path = self.directory / name
         state = build_checkpoint(

@@ -6,6 +6,7 @@ import math
 import warnings
 
 from ..._validation import check_int
+from ...monitor.schedule import Every
 from ._callback import Callback, RunContext
 
 __all__ = ["LossMonitor"]
@@ -39,11 +40,11 @@ class LossMonitor(Callback):
     def __init__(self, per_print_times: int = 1) -> None:
         check_int("per_print_times", per_print_times, minimum=0)
         self._per_print_times = per_print_times
-        self._last_print_time = 0
+        self._schedule = Every(steps=per_print_times)
 
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
-        self._last_print_time = 0
+        self._schedule.reset(0)
         last_step = cb_params.initial_step + cb_params.epoch_num * cb_params.batch_num
         if self._per_print_times > last_step:
             warnings.warn(
@@ -54,11 +55,9 @@ class LossMonitor(Callback):
             )
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        ppt = self._per_print_times
         cb_params = run_context.original_args()
-        if ppt == 0 or cb_params.cur_step_num - self._last_print_time < ppt:
+        if not self._schedule.due(cb_params.cur_step_num):
             return
-        self._last_print_time = cb_params.cur_step_num
         loss = cb_params.loss
         step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
         if not math.isfinite(loss):
@@ -78,7 +77,7 @@ class LossMonitor(Callback):
             )
 
     def state_dict(self) -> dict[str, int]:
-        return {"last_print_time": self._last_print_time}
+        return {"last_print_step": self._schedule.last_step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._last_print_time = int(state["last_print_time"])
+        self._schedule.last_step = int(state["last_print_step"])

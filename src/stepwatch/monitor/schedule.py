@@ -1,0 +1,68 @@
+"""One scheduling rule for every monitor: "every N steps" and/or "every T seconds".
+
+A monitor asks ``schedule.due(step)`` on each step; the answer is True when at least ``steps``
+global steps or ``seconds`` seconds have passed since the last time it was True. Counting from
+the last firing (not ``step % n``) keeps the cadence right across resumed runs and epochs of any
+length, as MindSpore's LossMonitor counts.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._validation import check_int, check_number
+
+__all__ = ["Every"]
+
+
+class Every:
+    """Fires every ``steps`` global steps and/or every ``seconds`` seconds.
+
+    Args:
+        steps: fire when ``step - last_step >= steps``; None or 0 disables the step rule.
+        seconds: fire when ``seconds`` passed since the last firing; None or 0 disables it.
+
+    With neither rule set, :meth:`due` is never True.
+
+    Raises:
+        TypeError / ValueError: negative or non-numeric arguments.
+
+    Example:
+        >>> every = Every(steps=100)
+        >>> [s for s in range(1, 301) if every.due(s)]
+        [100, 200, 300]
+    """
+
+    __slots__ = ("last_step", "last_time", "seconds", "steps")
+
+    def __init__(self, steps: int | None = None, seconds: float | None = None) -> None:
+        self.steps = check_int("steps", steps, minimum=0, allow_none=True) or 0
+        self.seconds = check_number("seconds", seconds, minimum=0.0, allow_none=True) or 0.0
+        self.last_step = 0
+        self.last_time = time.monotonic()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.steps or self.seconds)
+
+    def reset(self, step: int = 0) -> None:
+        """Start counting again from ``step`` and from now."""
+        self.last_step = step
+        self.last_time = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """True (and counting restarts) if the schedule fires at ``step``."""
+        if self.steps and step - self.last_step >= self.steps:
+            self.last_step = step
+            self.last_time = time.monotonic()
+            return True
+        if self.seconds:
+            now = time.monotonic()
+            if now - self.last_time >= self.seconds:
+                self.last_step = step
+                self.last_time = now
+                return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"Every(steps={self.steps or None}, seconds={self.seconds or None})"

@@ -1,0 +1,128 @@
+"""The run store's SQLite schema and connection settings."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+__all__: list[str] = []
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_MS = 30_000
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    started REAL NOT NULL,
+    ended REAL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    config TEXT NOT NULL DEFAULT '{}',
+    heartbeat REAL NOT NULL,
+    dropped INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS keys (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS points (
+    run INTEGER NOT NULL,
+    key INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    epoch INTEGER,
+    time REAL NOT NULL,
+    value REAL
+);
+CREATE INDEX IF NOT EXISTS points_by_run_key_step ON points (run, key, step);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run INTEGER NOT NULL,
+    step INTEGER,
+    epoch INTEGER,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run, id);
+"""
+
+STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
+
+
+def default_path() -> Path:
+    """``$STEPWATCH_DB`` if set, else ``./stepwatch.db``."""
+    return Path(os.environ.get("STEPWATCH_DB") or "stepwatch.db")
+
+
+def resolve_path(db: str | os.PathLike[str] | None) -> Path:
+    if db is None:
+        return default_path()
+    if not isinstance(db, (str, os.PathLike)):
+        raise TypeError(
+            f"'db' must be a path or None, but got {db!r} with type '{type(db).__name__}'."
+        )
+    return Path(db)
+
+
+def connect_for_writing(path: Path) -> sqlite3.Connection:
+    """Open (creating if needed) the database in WAL mode, ready for concurrent writers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(
+        path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
+    # NORMAL in WAL mode: a killed process loses nothing committed; only a power cut can
+    # lose the last transactions.
+    conn.execute("PRAGMA synchronous = NORMAL")
+
+    def create() -> None:
+        try:
+            conn.executescript(
+                "BEGIN IMMEDIATE;"
+                + SCHEMA
+                + "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', "
+                + f"'{SCHEMA_VERSION}'); COMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    _retry(create)
+    return conn
+
+
+def connect_for_reading(path: Path) -> sqlite3.Connection:
+    """Open an existing database read-only; never creates a file."""
+    if not path.is_file():
+        raise FileNotFoundError(f"no stepwatch database at {str(path)!r}")
+    conn = sqlite3.connect(
+        f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise ValueError(f"{str(path)!r} is not a stepwatch database: {exc}") from exc
+    if row is None:
+        conn.close()
+        raise ValueError(f"{str(path)!r} is not a stepwatch database (no schema version)")
+    return conn
+
+
+def _retry(fn, attempts: int = 50) -> None:  # type: ignore[no-untyped-def]
+    """Run ``fn``, retrying while another process holds the database."""
+    for attempt in range(attempts):
+        try:
+            fn()
+            return
+        except sqlite3.OperationalError as exc:
+            if ("locked" not in str(exc) and "busy" not in str(exc)) or attempt == attempts - 1:
+                raise
+            time.sleep(0.02 * (attempt + 1))

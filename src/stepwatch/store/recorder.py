@@ -1,0 +1,223 @@
+"""``RunRecorder``: the callback that records a run into the store."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from .._validation import check_int, check_number
+from ..monitor.schedule import Every
+from ..train.callback._callback import Callback, CallbackParams, RunContext
+from .writer import RunWriter
+
+__all__ = ["RunRecorder"]
+
+
+class RunRecorder(Callback):
+    """Record the run into the SQLite store: step losses, epoch metrics, validation results,
+    learning rate, step time and events.
+
+    Per-step losses stay on the device: the recorder keeps the step's loss tensor and, once per
+    interval (``transfer_every`` recorded steps, the writer's flush period, or an epoch end),
+    stacks them and copies them to the host in one transfer. On a GPU that copy is queued
+    without waiting; the writer thread waits for it. The recorder adds no host sync to the
+    steps in between. Only rank 0 records.
+
+    Keys written: ``loss`` (per recorded step), ``lr`` and ``step_time`` (mean seconds per
+    step; once per interval), and per epoch ``epoch_loss``, ``train_<metric>``, ``eval_loss``
+    and ``eval_<metric>``. Events: checkpoints saved, the stop reason, an exception.
+
+    Args:
+        db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        run_name: the run's name (default ``run-<id>``).
+        config: a JSON-serialisable dict stored with the run (hyperparameters).
+        every_n_steps: record the loss every N global steps (1: every step).
+        every_n_seconds: also, or instead, record when this many seconds passed.
+        transfer_every: copy the pending step losses to the host every this many recorded
+            steps (also at each flush period and epoch end).
+        flush_seconds: the longest a record waits before it is written to the database.
+
+    Attributes:
+        run_id: the run's id (after training started); ``writer``: its :class:`RunWriter`.
+
+    Raises:
+        TypeError / ValueError: bad arguments or a config that is not JSON-serialisable.
+    """
+
+    order = 200  # after the callbacks whose effects it records
+
+    def __init__(
+        self,
+        db: str | os.PathLike[str] | None = None,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        every_n_steps: int | None = 1,
+        every_n_seconds: float | None = None,
+        transfer_every: int = 256,
+        flush_seconds: float = 1.0,
+    ) -> None:
+        if db is not None and not isinstance(db, (str, os.PathLike)):
+            raise TypeError(
+                f"'db' must be a path or None, but got {db!r} with type '{type(db).__name__}'."
+            )
+        if run_name is not None and not isinstance(run_name, str):
+            raise TypeError(f"'run_name' must be a str or None, but got {type(run_name).__name__}.")
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
+        self.db = db
+        self.run_name = run_name
+        self.config = dict(config or {})
+        self._sample = Every(steps=every_n_steps, seconds=every_n_seconds)
+        if not self._sample.enabled:
+            raise ValueError(
+                "RunRecorder needs 'every_n_steps' >= 1 or 'every_n_seconds' > 0 to record steps."
+            )
+        self.transfer_every = check_int("transfer_every", transfer_every, minimum=1)
+        self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
+        self.writer: RunWriter | None = None
+        self.run_id: int | None = None
+        self._losses: list[torch.Tensor] = []
+        self._steps: list[int] = []
+        self._times: list[float] = []
+        self._step_time = 0.0
+        self._timed_steps = 0
+        self._last_transfer = 0.0
+        self._last_ckpt: str | None = None
+        self._epoch = 0
+        # Validate the config now rather than at step 1.
+        import json
+
+        try:
+            json.dumps(self.config)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def on_train_begin(self, run_context: RunContext) -> None:
+        p = run_context.original_args()
+        if p.rank_id != 0:
+            self.writer = None
+            return
+        config = {
+            "network": type(p.network).__name__,
+            "optimizer": type(p.optimizer).__name__ if p.optimizer is not None else None,
+            "lr": p.lr if p.optimizer is not None else None,
+            "epochs": p.initial_epoch + p.epoch_num,
+            "initial_epoch": p.initial_epoch,
+            "steps_per_epoch": p.batch_num,
+            "device": str(p.device),
+            "metrics": sorted(p.metrics),
+            "callbacks": [type(cb).__name__ for cb in p.list_callback],
+            "torch": torch.__version__,
+            **self.config,
+        }
+        self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
+        self.run_id = self.writer.run_id
+        self._sample.reset(p.cur_step_num)
+        self._losses, self._steps, self._times = [], [], []
+        self._step_time, self._timed_steps = 0.0, 0
+        self._last_transfer = time.monotonic()
+        self._last_ckpt = p.latest_ckpt_file
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        if self.writer is None:
+            return
+        p = run_context.original_args()
+        step = p.cur_step_num
+        self._step_time += p.step_time
+        self._timed_steps += 1
+        if not self._sample.due(step):
+            return
+        loss = p._raw_net_outputs
+        self._losses.append(
+            loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+        )
+        self._steps.append(step)
+        self._times.append(time.time())
+        if (
+            len(self._losses) >= self.transfer_every
+            or time.monotonic() - self._last_transfer >= self.flush_seconds
+        ):
+            self._transfer(p)
+
+    def _transfer(self, p: CallbackParams) -> None:
+        """One host copy for every step loss recorded since the last transfer."""
+        writer = self.writer
+        self._last_transfer = time.monotonic()
+        if writer is None or not self._losses:
+            return
+        stacked = torch.stack(self._losses).float()
+        ready = None
+        if stacked.is_cuda:
+            stacked = stacked.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        epoch = p.cur_epoch_num
+        writer.log_batch("loss", self._steps, stacked, epoch, self._times, ready)
+        last = self._steps[-1]
+        self._losses, self._steps, self._times = [], [], []
+        if p.optimizer is not None:
+            writer.log("lr", p.lr, last, epoch)
+        if self._timed_steps:
+            writer.log("step_time", self._step_time / self._timed_steps, last, epoch)
+            self._step_time, self._timed_steps = 0.0, 0
+
+    def on_train_epoch_end(self, run_context: RunContext) -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        p = run_context.original_args()
+        self._transfer(p)
+        step, epoch = p.cur_step_num, p.cur_epoch_num
+        for name, value in (getattr(p, "train_results", None) or {}).items():
+            writer.log("epoch_loss" if name == "loss" else f"train_{name}", value, step, epoch)
+        eval_results = getattr(p, "eval_results", None) or {}
+        for name, value in eval_results.items():
+            if name == "loss" and "eval_loss" in eval_results:
+                continue
+            key = name if name.startswith("eval_") else f"eval_{name}"
+            writer.log(key, value, step, epoch)
+        if p.latest_ckpt_file and p.latest_ckpt_file != self._last_ckpt:
+            self._last_ckpt = p.latest_ckpt_file
+            writer.event(
+                "checkpoint",
+                f"saved {p.latest_ckpt_file}",
+                step,
+                epoch,
+                data={"path": p.latest_ckpt_file},
+            )
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        writer = self.writer
+        if writer is None:
+            return
+        p = run_context.original_args()
+        self._transfer(p)
+        if run_context.get_stop_requested():
+            reason = run_context.stop_reason or "a callback requested a stop"
+            writer.event("stop", f"training stopped: {reason}", p.cur_step_num, p.cur_epoch_num)
+        writer.close("finished")
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        writer = self.writer
+        if writer is None or writer.closed:
+            return
+        if exc_type is None:
+            writer.close("finished")
+            return
+        interrupted = issubclass(exc_type, KeyboardInterrupt)
+        writer.event(
+            "error",
+            f"{exc_type.__name__}: {exc}",
+            level="error",
+            data={"type": exc_type.__name__},
+        )
+        writer.close("interrupted" if interrupted else "failed")
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped by the writer (full queue or failing disk)."""
+        return self.writer.dropped if self.writer is not None else 0

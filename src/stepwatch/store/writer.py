@@ -1,0 +1,385 @@
+"""``RunWriter``: one run's points and events, written to SQLite on a background thread.
+
+The training thread only appends to an in-memory queue (a ``collections.deque``: an append
+takes well under a microsecond and no lock). One writer thread drains the queue in batches,
+inside one transaction per batch, at least every ``flush_seconds``.
+
+Full-queue policy: when ``max_pending`` items wait, ``log`` waits up to ``block_seconds`` for
+the writer to catch up; if it does not, the record is dropped and counted, and further records
+are dropped at once until the queue is half empty again. A failing disk (an SQLite error on
+write) is logged once as a warning and its records are counted as dropped; nothing is raised
+into the training thread. ``close()`` writes everything still queued and the run's final
+status.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+import weakref
+from typing import Any
+
+from .._validation import check_int, check_number
+from ._schema import STATUSES, connect_for_writing, resolve_path
+
+__all__ = ["RunWriter"]
+
+logger = logging.getLogger("stepwatch")
+
+_OPEN_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_writers() -> None:  # pragma: no cover - runs at interpreter exit
+    for writer in list(_OPEN_WRITERS):
+        writer.close("finished")
+
+
+class _Batch:
+    """Many values of one key, possibly still on the device until ``ready`` completes."""
+
+    __slots__ = ("epoch", "key", "ready", "steps", "times", "values")
+
+    def __init__(
+        self,
+        key: str,
+        steps: list[int],
+        values: Any,
+        epoch: int | None,
+        times: list[float],
+        ready: Any,
+    ) -> None:
+        self.key, self.steps, self.values = key, steps, values
+        self.epoch, self.times, self.ready = epoch, times, ready
+
+    def rows(self, run: int, key_id: int) -> list[tuple[Any, ...]]:
+        if self.ready is not None:
+            self.ready.synchronize()  # waits on the writer thread, never the training thread
+        values = self.values
+        if hasattr(values, "detach"):
+            values = values.detach().cpu().double().numpy()
+        return [
+            (run, key_id, s, self.epoch, t, float(v))
+            for s, t, v in zip(self.steps, self.times, values.tolist())
+        ]
+
+
+class _Event:
+    __slots__ = ("data", "epoch", "kind", "level", "message", "step", "time")
+
+    def __init__(
+        self,
+        kind: str,
+        message: str,
+        step: int | None,
+        epoch: int | None,
+        level: str,
+        data: dict[str, Any] | None,
+    ) -> None:
+        self.kind, self.message, self.step, self.epoch = kind, message, step, epoch
+        self.level, self.data, self.time = level, data or {}, time.time()
+
+
+class RunWriter:
+    """Create a run in the store and write its points and events without blocking training.
+
+    Args:
+        db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        name: the run's name (default ``run-<id>``).
+        config: a JSON-serialisable dict stored with the run.
+        flush_seconds: the longest a record waits before it is written (default 1 s).
+        max_pending: queued items before the full-queue policy applies.
+        block_seconds: how long ``log`` may wait for room before dropping.
+
+    Attributes:
+        run_id: the run's id in the store.
+        dropped: records dropped (full queue or failing disk).
+        written: points written.
+
+    Raises:
+        TypeError / ValueError: bad arguments; a config that is not JSON-serialisable.
+        sqlite3.Error: the database cannot be opened or created at all (before training).
+    """
+
+    def __init__(
+        self,
+        db: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        config: dict[str, Any] | None = None,
+        flush_seconds: float = 1.0,
+        max_pending: int = 100_000,
+        block_seconds: float = 0.5,
+    ) -> None:
+        self.path = resolve_path(db)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"'name' must be a str or None, but got {type(name).__name__}.")
+        if config is not None and not isinstance(config, dict):
+            raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
+        try:
+            config_json = json.dumps(config or {}, sort_keys=True, default=_json_default)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
+        flush = check_number("flush_seconds", flush_seconds, minimum=0.0)
+        self.flush_seconds = flush if flush else 1.0
+        self.max_pending = check_int("max_pending", max_pending, minimum=1)
+        self.block_seconds = check_number("block_seconds", block_seconds, minimum=0.0) or 0.0
+
+        self._conn = connect_for_writing(self.path)
+        now = time.time()
+        with self._conn:
+            cur = self._conn.execute(
+                "INSERT INTO runs (name, status, started, host, pid, config, heartbeat) "
+                "VALUES (?, 'running', ?, ?, ?, ?, ?)",
+                (name or "", now, socket.gethostname(), os.getpid(), config_json, now),
+            )
+            self.run_id = int(cur.lastrowid or 0)
+            if not name:
+                self._conn.execute(
+                    "UPDATE runs SET name = ? WHERE id = ?", (f"run-{self.run_id}", self.run_id)
+                )
+        self.name = name or f"run-{self.run_id}"
+        self.dropped = 0
+        self.written = 0
+        self._pending: collections.deque[Any] = collections.deque()
+        self._dropping = False
+        self._key_ids: dict[str, int] = {}
+        self._disk_error: str | None = None
+        self._closed = False
+        self._closing = False
+        self._wake = threading.Event()
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="stepwatch-writer", daemon=True)
+        self._thread.start()
+        _OPEN_WRITERS.add(self)
+
+    # -- training-thread side ---------------------------------------------------------------
+    def _room(self) -> bool:
+        """Apply the full-queue policy; True if the record may be queued."""
+        pending = self._pending
+        if self._dropping:
+            if len(pending) > self.max_pending // 2:
+                return False
+            self._dropping = False
+            return True
+        deadline = time.monotonic() + self.block_seconds
+        self._wake.set()
+        while len(pending) >= self.max_pending:
+            if time.monotonic() >= deadline:
+                self._dropping = True
+                logger.warning(
+                    "stepwatch store: the writer is behind (%d records queued); dropping records "
+                    "until it catches up",
+                    len(pending),
+                )
+                return False
+            time.sleep(0.001)
+        return True
+
+    def log(self, key: str, value: Any, step: int, epoch: int | None = None) -> None:
+        """Queue one point. ``value`` is a number or a one-element tensor (read later, on the
+        writer thread)."""
+        if self._closed or (len(self._pending) >= self.max_pending and not self._room()):
+            self.dropped += 1
+            return
+        self._pending.append((key, step, epoch, time.time(), value))
+
+    def log_batch(
+        self,
+        key: str,
+        steps: list[int],
+        values: Any,
+        epoch: int | None = None,
+        times: list[float] | None = None,
+        ready: Any = None,
+    ) -> None:
+        """Queue many points of one key: ``values`` is a 1-D tensor or array, which may still
+        be on its way to the host; ``ready`` (a CUDA event) is waited on by the writer."""
+        n = len(steps)
+        if self._closed or (len(self._pending) >= self.max_pending and not self._room()):
+            self.dropped += n
+            return
+        stamps = times if times is not None else [time.time()] * n
+        self._pending.append(_Batch(key, list(steps), values, epoch, stamps, ready))
+
+    def event(
+        self,
+        kind: str,
+        message: str,
+        step: int | None = None,
+        epoch: int | None = None,
+        level: str = "info",
+        data: dict[str, Any] | None = None,
+    ) -> None:
+        """Queue an event (an alert, a note, a checkpoint saved, ...)."""
+        if self._closed:
+            self.dropped += 1
+            return
+        self._pending.append(_Event(kind, message, step, epoch, level, data))
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until everything queued so far is written; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while (self._pending or self._busy) and self._thread.is_alive():
+            if time.monotonic() >= deadline:
+                return False
+            self._wake.set()
+            time.sleep(0.005)
+        return True
+
+    def close(self, status: str = "finished", timeout: float = 60.0) -> None:
+        """Write everything queued, record ``status`` and stop the writer thread.
+
+        Safe to call twice; the second call does nothing.
+        """
+        if status not in STATUSES:
+            raise ValueError(f"'status' must be one of {STATUSES}, but got {status!r}.")
+        if self._closed:
+            return
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self._closed = True
+        _OPEN_WRITERS.discard(self)
+        try:
+            with self._conn:
+                self._conn.execute(
+                    "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, dropped = ? "
+                    "WHERE id = ?",
+                    (status, time.time(), time.time(), self.dropped, self.run_id),
+                )
+        except sqlite3.Error as exc:
+            self._report_disk_error(exc, 0)
+        finally:
+            self._conn.close()
+        if self.dropped:
+            logger.warning(
+                "stepwatch store: run %d dropped %d records (%s)",
+                self.run_id,
+                self.dropped,
+                self._disk_error or "the writer could not keep up",
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- writer thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        last = time.monotonic()
+        tick = min(self.flush_seconds, 0.25)
+        while True:
+            if len(self._pending) < 4096 and not self._closing:
+                self._wake.wait(tick)
+            self._wake.clear()
+            now = time.monotonic()
+            closing = self._closing
+            if closing or now - last >= self.flush_seconds or len(self._pending) >= 4096:
+                self._write_pending()
+                last = now
+            if closing and not self._pending:
+                break
+
+    def _key_id(self, name: str) -> int:
+        key_id = self._key_ids.get(name)
+        if key_id is None:
+            self._conn.execute("INSERT OR IGNORE INTO keys (name) VALUES (?)", (name,))
+            row = self._conn.execute("SELECT id FROM keys WHERE name = ?", (name,)).fetchone()
+            key_id = self._key_ids[name] = int(row[0])
+        return key_id
+
+    def _write_pending(self) -> None:
+        self._busy = True
+        try:
+            self._write_some()
+        finally:
+            self._busy = False
+
+    def _write_some(self) -> None:
+        pending = self._pending
+        items = []
+        while pending and len(items) < 50_000:
+            items.append(pending.popleft())
+        run = self.run_id
+        count = 0
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                points: list[tuple[Any, ...]] = []
+                events: list[tuple[Any, ...]] = []
+                for item in items:
+                    if type(item) is tuple:
+                        key, step, epoch, stamp, value = item
+                        points.append((run, self._key_id(key), step, epoch, stamp, _number(value)))
+                    elif isinstance(item, _Batch):
+                        points.extend(item.rows(run, self._key_id(item.key)))
+                    else:
+                        events.append(
+                            (
+                                run,
+                                item.step,
+                                item.epoch,
+                                item.time,
+                                item.kind,
+                                item.level,
+                                item.message,
+                                json.dumps(item.data, default=_json_default),
+                            )
+                        )
+                count = len(points) + len(events)
+                if points:
+                    self._conn.executemany(
+                        "INSERT INTO points (run, key, step, epoch, time, value) "
+                        "VALUES (?, ?, ?, ?, ?, ?)",
+                        points,
+                    )
+                if events:
+                    self._conn.executemany(
+                        "INSERT INTO events (run, step, epoch, time, kind, level, message, data) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        events,
+                    )
+                self._conn.execute("UPDATE runs SET heartbeat = ? WHERE id = ?", (time.time(), run))
+                self._conn.execute("COMMIT")
+                self.written += len(points)
+            except BaseException:
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+                raise
+        except Exception as exc:  # a failing disk must not reach training
+            lost = count or sum(len(i.steps) if isinstance(i, _Batch) else 1 for i in items)
+            self._report_disk_error(exc, lost)
+
+    def _report_disk_error(self, exc: BaseException, lost: int) -> None:
+        self.dropped += lost
+        if self._disk_error is None:
+            self._disk_error = f"{type(exc).__name__}: {exc}"
+            logger.warning(
+                "stepwatch store: writing to %s failed (%s); records are being dropped and "
+                "counted, training continues",
+                self.path,
+                self._disk_error,
+            )
+
+
+def _number(value: Any) -> float | None:
+    if hasattr(value, "item"):
+        value = value.item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item") and getattr(obj, "shape", None) in ((), None):
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
