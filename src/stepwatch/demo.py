@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .dataset import NumpySlicesDataset
+from .store import RunRecorder
 from .train import (
     CheckpointConfig,
     EarlyStopping,
@@ -58,11 +59,13 @@ def run_demo(
     seed: int = 0,
     device: str | None = None,
     checkpoint_dir: str = "checkpoints",
+    db: str | None = None,
 ) -> dict[str, Any]:
     """Train the digits classifier and return the final validation metrics and the history.
 
     Early stopping ends the run when the validation loss stalls, the learning rate halves on a
-    plateau, and the best model (by validation accuracy) is kept in ``checkpoint_dir``.
+    plateau, and the best model (by validation accuracy) is kept in ``checkpoint_dir``. The
+    run is recorded in the run store ``db`` (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
     """
     torch.manual_seed(seed)
     train, valid = load_digits_datasets(seed=seed)
@@ -76,6 +79,9 @@ def run_demo(
         config=CheckpointConfig(
             save_best_only=True, monitor="eval_accuracy", keep_checkpoint_max=1, save_last=False
         ),
+    )
+    recorder = RunRecorder(
+        db=db, run_name="digits-demo", config={"seed": seed, "batch_size": 32, "hidden": 128}
     )
     steps = train.get_dataset_size()
     print(
@@ -94,6 +100,7 @@ def run_demo(
             EarlyStopping(monitor="eval_loss", patience=3, min_delta=1e-3, verbose=True),
             ReduceLROnPlateau(monitor="eval_loss", factor=0.5, patience=1, verbose=True),
             best,
+            recorder,
         ],
     )
     final = model.eval(valid)
@@ -105,4 +112,21 @@ def run_demo(
         flush=True,
     )
     print(f"best checkpoint: {best.best_ckpt_file_name}", flush=True)
-    return {"metrics": final, "history": history, "best_checkpoint": best.best_ckpt_file_name}
+    db_path = recorder.writer.path if recorder.writer is not None else None
+    if db_path is not None:
+        from .cli import main as cli_main
+
+        db_arg = [] if db is None else ["--db", str(db)]
+        print(f"\nrecorded as run {recorder.run_id} in {db_path}:", flush=True)
+        cli_main(["runs", *db_arg])
+        print(
+            f"\nlook at it: stepwatch show {recorder.run_id}{' --db ' + str(db) if db else ''}"
+            f"  |  stepwatch export {recorder.run_id} --format csv --out run.csv",
+            flush=True,
+        )
+    return {
+        "metrics": final,
+        "history": history,
+        "best_checkpoint": best.best_ckpt_file_name,
+        "run_id": recorder.run_id,
+    }

@@ -121,6 +121,9 @@ class RunRecorder(Callback):
         self._step_time, self._timed_steps = 0.0, 0
         self._last_transfer = time.monotonic()
         self._last_ckpt = p.latest_ckpt_file
+        self._cb_params = p
+
+    _cb_params: CallbackParams | None = None
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.writer is None:
@@ -205,6 +208,11 @@ class RunRecorder(Callback):
         writer = self.writer
         if writer is None or writer.closed:
             return
+        if self._cb_params is not None:
+            try:
+                self._transfer(self._cb_params)  # the steps recorded before the failure
+            except Exception:  # the device may be what failed; keep what was written
+                pass
         if exc_type is None:
             writer.close("finished")
             return
