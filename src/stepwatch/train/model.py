@@ -651,6 +651,8 @@ class Model:
         step = cb_params.cur_step_num
         perf_counter = time.perf_counter
         network.train()
+        on_cpu = device.type == "cpu"
+        tensor = torch.Tensor
         for batch in batches:
             step += 1
             steps += 1
@@ -667,9 +669,12 @@ class Model:
                 except (TypeError, ValueError):
                     self._check_batch(batch, "train_dataset")
                     raise
-                data = _move(data, device)
-                label = _move(label, device)
-                outputs = _call(network, data)
+                # Plain CPU tensors on a CPU run need no copy: skip the .to() calls.
+                if not (on_cpu and type(data) is tensor and data.is_cpu):
+                    data = _move(data, device)
+                if not (on_cpu and type(label) is tensor and label.is_cpu):
+                    label = _move(label, device)
+                outputs = network(data) if type(data) is tensor else _call(network, data)
                 loss = loss_fn(outputs, label)
             else:
                 loss, outputs = _split_loss(_call(network, _move(batch, device)))
@@ -679,9 +684,10 @@ class Model:
             pending.append(loss.detach())
             if len(pending) == _LOSS_CHUNK:
                 total = _fold(total, pending)
-            for metric in train_metrics:
-                metric.update(outputs, label)
-            cb_params.net_outputs = loss
+            if train_metrics:
+                for metric in train_metrics:
+                    metric.update(outputs, label)
+            cb_params._raw_net_outputs = loss
             cb_params.outputs = outputs
             if step_end:
                 call("on_train_step_end", run_context)
