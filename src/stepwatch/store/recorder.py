@@ -16,6 +16,12 @@ from .writer import RunWriter
 __all__ = ["RunRecorder"]
 
 
+def _detached(loss: object) -> torch.Tensor:
+    if isinstance(loss, torch.Tensor):
+        return loss.detach()
+    return torch.tensor(float(loss))  # type: ignore[arg-type]
+
+
 class RunRecorder(Callback):
     """Record the run into the SQLite store: step losses, epoch metrics, validation results,
     learning rate, step time and events.
@@ -26,8 +32,9 @@ class RunRecorder(Callback):
     without waiting; the writer thread waits for it. The recorder adds no host sync to the
     steps in between. Only rank 0 records.
 
-    Keys written: ``loss`` (per recorded step), ``lr`` and ``step_time`` (mean seconds per
-    step; once per interval), and per epoch ``epoch_loss``, ``train_<metric>``, ``eval_loss``
+    Keys written: ``loss`` (per recorded step; the wall times of the steps inside one transfer
+    interval are spread evenly over it), ``lr`` and ``step_time`` (mean seconds per step; once
+    per interval), and per epoch ``epoch_loss``, ``train_<metric>``, ``eval_loss``
     and ``eval_<metric>``. Events: checkpoints saved, the stop reason, an exception.
 
     Args:
@@ -81,10 +88,10 @@ class RunRecorder(Callback):
         self.run_id: int | None = None
         self._losses: list[torch.Tensor] = []
         self._steps: list[int] = []
-        self._times: list[float] = []
-        self._step_time = 0.0
-        self._timed_steps = 0
+        self._clock_mask = 15 if self._sample.steps == 1 and not self._sample.seconds else 0
         self._last_transfer = 0.0
+        self._last_wall = 0.0
+        self._transfer_step = 0
         self._last_ckpt: str | None = None
         self._epoch = 0
         # Validate the config now rather than at step 1.
@@ -117,9 +124,9 @@ class RunRecorder(Callback):
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
         self.run_id = self.writer.run_id
         self._sample.reset(p.cur_step_num)
-        self._losses, self._steps, self._times = [], [], []
-        self._step_time, self._timed_steps = 0.0, 0
-        self._last_transfer = time.monotonic()
+        self._losses, self._steps = [], []
+        self._last_transfer, self._last_wall = time.monotonic(), time.time()
+        self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
 
@@ -128,29 +135,40 @@ class RunRecorder(Callback):
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.writer is None:
             return
-        p = run_context.original_args()
+        p = run_context._original_args
         step = p.cur_step_num
-        self._step_time += p.step_time
-        self._timed_steps += 1
-        if not self._sample.due(step):
+        sample = self._sample
+        if step < sample.next_step or not sample.due(step):
             return
-        loss = p._raw_net_outputs
-        self._losses.append(
-            loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
-        )
+        loss = p._raw_net_outputs  # the Model hands over a detached tensor
+        if type(loss) is not torch.Tensor or loss.requires_grad:
+            loss = _detached(loss)
+        losses = self._losses
+        losses.append(loss)
         self._steps.append(step)
-        self._times.append(time.time())
-        if (
-            len(self._losses) >= self.transfer_every
-            or time.monotonic() - self._last_transfer >= self.flush_seconds
+        n = len(losses)
+        # The clock is read every 16th recorded step when recording every step.
+        if n >= self.transfer_every or (
+            not n & self._clock_mask
+            and time.monotonic() - self._last_transfer >= self.flush_seconds
         ):
             self._transfer(p)
 
     def _transfer(self, p: CallbackParams) -> None:
         """One host copy for every step loss recorded since the last transfer."""
         writer = self.writer
-        self._last_transfer = time.monotonic()
-        if writer is None or not self._losses:
+        now, wall = time.monotonic(), time.time()
+        elapsed, start_wall = now - self._last_transfer, self._last_wall
+        self._last_transfer, self._last_wall = now, wall
+        if writer is None:
+            return
+        epoch, step = p.cur_epoch_num, p.cur_step_num
+        if step > self._transfer_step:
+            writer.log("step_time", elapsed / (step - self._transfer_step), step, epoch)
+            if p.optimizer is not None:
+                writer.log("lr", p.lr, step, epoch)
+        self._transfer_step = step
+        if not self._losses:
             return
         stacked = torch.stack(self._losses).float()
         ready = None
@@ -158,15 +176,11 @@ class RunRecorder(Callback):
             stacked = stacked.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        epoch = p.cur_epoch_num
-        writer.log_batch("loss", self._steps, stacked, epoch, self._times, ready)
-        last = self._steps[-1]
-        self._losses, self._steps, self._times = [], [], []
-        if p.optimizer is not None:
-            writer.log("lr", p.lr, last, epoch)
-        if self._timed_steps:
-            writer.log("step_time", self._step_time / self._timed_steps, last, epoch)
-            self._step_time, self._timed_steps = 0.0, 0
+        n = len(self._steps)
+        # Wall times of the steps in between are spread evenly over the interval.
+        times = [start_wall + (wall - start_wall) * (i + 1) / n for i in range(n)]
+        writer.log_batch("loss", self._steps, stacked, epoch, times, ready)
+        self._losses, self._steps = [], []
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         writer = self.writer

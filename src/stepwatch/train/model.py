@@ -467,7 +467,6 @@ class Model:
             cur_epoch_num=0,
             last_save_ckpt_step=None,
             latest_ckpt_file=None,
-            outputs=None,
             step_time=0.0,
         )
 
@@ -639,60 +638,81 @@ class Model:
             self._device,
         )
         assert optimizer is not None
-        step_begin = cb_list.table["on_train_step_begin"]
-        step_end = cb_list.table["on_train_step_end"]
-        call = cb_list.call
+        step_begin = cb_list.fns["on_train_step_begin"]
+        step_end = cb_list.fns["on_train_step_end"]
         train_metrics = list(self._train_metric_fns.values()) if loss_fn is not None else []
         for metric in train_metrics:
             metric.clear()
         pending: list[torch.Tensor] = []
         total: torch.Tensor | None = None
-        steps = 0
-        step = cb_params.cur_step_num
+        first_step = step = cb_params.cur_step_num
         perf_counter = time.perf_counter
         network.train()
         on_cpu = device.type == "cpu"
         tensor = torch.Tensor
-        for batch in batches:
-            step += 1
-            steps += 1
+        # With no step hooks nobody can look at cb_params during the epoch: its per-step
+        # fields are then set once, after the loop, and the loop does only the training.
+        hooked = bool(step_begin or step_end)
+        epoch_start = last_step_end = perf_counter()
+        batch: Any = None
+        detached: Any = None
+        outputs: Any = None
+        try:
+            for batch in batches:
+                step += 1
+                if hooked:
+                    cb_params.cur_step_num = step
+                    cb_params.train_dataset_element = batch
+                    for fn in step_begin:
+                        fn(run_context)
+                # Zero at the start of the step so step-end hooks can still read the gradients.
+                optimizer.zero_grad(set_to_none=True)
+                if loss_fn is not None:
+                    try:
+                        data, label = batch
+                    except (TypeError, ValueError):
+                        self._check_batch(batch, "train_dataset")
+                        raise
+                    # Plain CPU tensors on a CPU run need no copy: skip the .to() calls.
+                    if not (on_cpu and type(data) is tensor and data.is_cpu):
+                        data = _move(data, device)
+                    if not (on_cpu and type(label) is tensor and label.is_cpu):
+                        label = _move(label, device)
+                    outputs = network(data) if type(data) is tensor else _call(network, data)
+                    loss = loss_fn(outputs, label)
+                else:
+                    loss, outputs = _split_loss(_call(network, _move(batch, device)))
+                loss.backward()
+                optimizer.step()
+                detached = loss.detach()
+                pending.append(detached)
+                if len(pending) == _LOSS_CHUNK:
+                    total = _fold(total, pending)
+                if train_metrics:
+                    for metric in train_metrics:
+                        metric.update(outputs, label)
+                if hooked:
+                    now = perf_counter()
+                    cb_params.step_time = now - last_step_end
+                    last_step_end = now
+                    cb_params._raw_net_outputs = detached
+                    cb_params._raw_outputs = (
+                        outputs.detach() if type(outputs) is tensor else outputs
+                    )
+                    for fn in step_end:
+                        fn(run_context)
+                    if run_context._stop_requested:
+                        break
+        except BaseException as exc:
+            cb_list.annotate(exc)  # names the callback, if one raised it
+            raise
+        steps = step - first_step
+        if steps and not hooked:
             cb_params.cur_step_num = step
             cb_params.train_dataset_element = batch
-            if step_begin:
-                call("on_train_step_begin", run_context)
-            start = perf_counter()
-            # Zero at the start of the step so step-end hooks can still read the gradients.
-            optimizer.zero_grad(set_to_none=True)
-            if loss_fn is not None:
-                try:
-                    data, label = batch
-                except (TypeError, ValueError):
-                    self._check_batch(batch, "train_dataset")
-                    raise
-                # Plain CPU tensors on a CPU run need no copy: skip the .to() calls.
-                if not (on_cpu and type(data) is tensor and data.is_cpu):
-                    data = _move(data, device)
-                if not (on_cpu and type(label) is tensor and label.is_cpu):
-                    label = _move(label, device)
-                outputs = network(data) if type(data) is tensor else _call(network, data)
-                loss = loss_fn(outputs, label)
-            else:
-                loss, outputs = _split_loss(_call(network, _move(batch, device)))
-            loss.backward()
-            optimizer.step()
-            cb_params.step_time = perf_counter() - start
-            pending.append(loss.detach())
-            if len(pending) == _LOSS_CHUNK:
-                total = _fold(total, pending)
-            if train_metrics:
-                for metric in train_metrics:
-                    metric.update(outputs, label)
-            cb_params._raw_net_outputs = loss
-            cb_params.outputs = outputs
-            if step_end:
-                call("on_train_step_end", run_context)
-            if run_context._stop_requested:
-                break
+            cb_params.step_time = (perf_counter() - epoch_start) / steps
+            cb_params._raw_net_outputs = detached
+            cb_params._raw_outputs = outputs.detach() if type(outputs) is tensor else outputs
         total = _fold(total, pending)
         results: dict[str, Any] = {}
         if total is not None and steps:
@@ -712,7 +732,7 @@ class Model:
         # Validation shares cb_params with training; the training counters come back after.
         saved = {
             k: cb_params.__dict__[k]
-            for k in ("mode", "cur_step_num", "batch_num", "_raw_net_outputs", "outputs")
+            for k in ("mode", "cur_step_num", "batch_num", "_raw_net_outputs", "_raw_outputs")
         }
         saved_loss = cb_params._epoch_loss
         cb_params.loss = None
@@ -778,8 +798,8 @@ class Model:
                         pending.append(loss)
                         if len(pending) == _LOSS_CHUNK:
                             total = _fold(total, pending)
-                    cb_params.net_outputs = loss if loss is not None else outputs
-                    cb_params.outputs = outputs
+                    cb_params._raw_net_outputs = loss if loss is not None else outputs
+                    cb_params._raw_outputs = outputs  # computed under no_grad: no graph
                     if step_end:
                         call("on_eval_step_end", run_context)
             call("on_eval_epoch_end", run_context)

@@ -174,11 +174,18 @@ class CallbackParams:
 
     * ``net_outputs`` - the step's loss as a detached :class:`stepwatch.Tensor` (no host copy);
     * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
-      at ``on_train_epoch_end`` the epoch's mean training loss.
+      at ``on_train_epoch_end`` the epoch's mean training loss;
+    * ``outputs`` - the network's output for the batch, detached;
+    * ``lr`` - the first parameter group's learning rate.
+
+    ``step_time`` is the wall time in seconds from the end of the previous step (or the start of
+    the epoch) to the end of this one's optimizer step: loading the batch, the step-begin hooks
+    and the step itself.
     """
 
     def __init__(self, **fields: Any) -> None:
         self._raw_net_outputs: Any = _UNSET
+        self._raw_outputs: Any = None
         self._wrapped: tuple[Any, Any] | None = None
         self._epoch_loss: float | None = None
         self.__dict__.update(fields)
@@ -216,6 +223,16 @@ class CallbackParams:
         self._epoch_loss = value
 
     @property
+    def outputs(self) -> Any:
+        """The network's output for the step's batch, detached (None before the first step)."""
+        out = self._raw_outputs
+        return out.detach() if hasattr(out, "detach") else out
+
+    @outputs.setter
+    def outputs(self, value: Any) -> None:
+        self._raw_outputs = value
+
+    @property
     def lr(self) -> float:
         """The first parameter group's learning rate, read from the optimizer."""
         optimizer = self.__dict__.get("optimizer")
@@ -244,6 +261,7 @@ class CallbackParams:
 
     def keys(self) -> list[str]:
         names = [k for k in self.__dict__ if not k.startswith("_")]
+        names.append("outputs")
         if self._raw_net_outputs is not _UNSET:
             names += ["net_outputs", "loss"]
         return names
@@ -350,6 +368,18 @@ class CallbackList:
             hook: [(cb, getattr(cb, hook)) for cb in self.callbacks if _overrides(cb, hook)]
             for hook in HOOKS
         }
+        # What the loops call: per hook, the bound functions only.
+        self.fns: dict[str, list[Callable[[RunContext], Any]]] = {
+            hook: [fn for _, fn in entries] for hook, entries in self.table.items()
+        }
+        # For naming the culprit of an exception from its traceback.
+        self._ids = {id(cb): cb for cb in self.callbacks}
+        self._codes: dict[Any, tuple[Callback, str]] = {}
+        for hook, entries in self.table.items():
+            for cb, fn in entries:
+                code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+                if code is not None:
+                    self._codes.setdefault(code, (cb, hook))
 
     def __len__(self) -> int:
         return len(self.callbacks)
@@ -361,12 +391,35 @@ class CallbackList:
         return bool(self.table[hook])
 
     def call(self, hook: str, run_context: RunContext) -> None:
-        for cb, fn in self.table[hook]:
-            try:
+        """Call ``hook`` on every callback that implements it, in order."""
+        try:
+            for fn in self.fns[hook]:
                 fn(run_context)
-            except BaseException as exc:
+        except BaseException as exc:
+            self.annotate(exc)
+            raise
+
+    def annotate(self, exc: BaseException) -> None:
+        """Add a note naming the callback and hook an exception came from (once).
+
+        Found from the traceback, so the loops can call hooks without a try block per call.
+        """
+        if getattr(exc, "_stepwatch_noted", False):
+            return
+        tb = exc.__traceback__
+        while tb is not None:
+            frame = tb.tb_frame
+            found = self._codes.get(frame.f_code)
+            owner = self._ids.get(id(frame.f_locals.get("self")))
+            if found is not None or owner is not None:
+                cb, hook = found if found is not None else (owner, frame.f_code.co_name)
                 exc.add_note(f"(raised in callback {type(cb).__name__}.{hook})")
-                raise
+                try:
+                    exc._stepwatch_noted = True  # type: ignore[attr-defined]
+                except AttributeError:  # pragma: no cover - exceptions with __slots__
+                    pass
+                return
+            tb = tb.tb_next
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[CallbackList]:

@@ -55,8 +55,9 @@ class LossMonitor(Callback):
             )
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        cb_params = run_context.original_args()
-        if not self._schedule.due(cb_params.cur_step_num):
+        cb_params = run_context._original_args
+        step = cb_params.cur_step_num
+        if step < self._schedule.next_step or not self._schedule.due(step):
             return
         loss = cb_params.loss
         step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
@@ -80,4 +81,4 @@ class LossMonitor(Callback):
         return {"last_print_step": self._schedule.last_step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self._schedule.last_step = int(state["last_print_step"])
+        self._schedule.reset(int(state["last_print_step"]))
