@@ -6,6 +6,7 @@ import math
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -165,6 +166,21 @@ def test_history_records_plain_floats_per_epoch_and_resets() -> None:
         "loss",
         "train_accuracy",
     }
+
+
+def test_history_step_ring_keeps_the_last_step_losses() -> None:
+    losses: list[float] = []
+    history = History(step_history=5)
+    spy = LambdaCallback(on_train_step_end=lambda rc: losses.append(rc.original_args().loss))
+    make_model().train(3, make_batches(4), callbacks=[spy, history])
+    assert history.steps is not None and len(history.steps) == 5
+    assert history.steps.steps().tolist() == list(range(8, 13))
+    np.testing.assert_allclose(history.steps.values(), losses[-5:], rtol=1e-6)
+    assert History().steps is None
+    with pytest.raises(ValueError, match="'step_history' must be an int >= 0"):
+        History(step_history=-1)
+    with pytest.raises(TypeError, match="'step_history' must be an int"):
+        History(step_history=2.5)  # type: ignore[arg-type]
 
 
 # -- LambdaCallback ------------------------------------------------------------------------

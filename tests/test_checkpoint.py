@@ -193,6 +193,19 @@ def test_file_names_keep_max_prefix_collision_and_last(tmp_path: Path) -> None:
     assert ckpt.latest_ckpt_file_name == str(tmp_path / "net_1-1_2.pt")
 
 
+def test_seconds_policy_saves_mid_run(tmp_path: Path) -> None:
+    config = CheckpointConfig(
+        save_checkpoint_steps=0, save_checkpoint_seconds=1, keep_checkpoint_max=50
+    )
+    slow = LambdaCallback(on_train_step_end=lambda rc: time.sleep(0.3))
+    make_model().train(
+        2, make_batches(5), callbacks=[slow, ModelCheckpoint(directory=tmp_path, config=config)]
+    )
+    saved = sorted(p.name for p in tmp_path.glob("CKP-?_*.pt"))
+    # 3 s of training with a 1 s policy: saves along the way, plus the one at the end.
+    assert len(saved) >= 3 and "CKP-2_5.pt" in saved
+
+
 def test_checkpoint_contents_and_append_info(tmp_path: Path) -> None:
     config = CheckpointConfig(
         save_checkpoint_steps=4, append_info=["epoch_num", "step_num", {"lr": 0.1, "tag": "x"}]

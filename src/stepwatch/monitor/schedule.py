@@ -66,7 +66,11 @@ class Every:
     def due(self, step: int) -> bool:
         """True (and counting restarts) if the schedule fires at ``step``."""
         if self.steps and step - self.last_step >= self.steps:
-            self.reset(step)
+            if self.seconds:
+                self.reset(step)
+            else:  # the common case, without reading the clock
+                self.last_step = step
+                self.next_step = step + self.steps
             return True
         if self.seconds and time.monotonic() - self.last_time >= self.seconds:
             self.reset(step)

@@ -24,6 +24,7 @@ import sqlite3
 import threading
 import time
 import weakref
+from itertools import repeat
 from typing import Any
 
 from .._validation import check_int, check_number
@@ -65,10 +66,17 @@ class _Batch:
         values = self.values
         if hasattr(values, "detach"):
             values = values.detach().cpu().double().numpy()
-        return [
-            (run, key_id, s, self.epoch, t, float(v))
-            for s, t, v in zip(self.steps, self.times, values.tolist())
-        ]
+        # zip/repeat build the row tuples in C: the writer holds the GIL as briefly as it can.
+        return list(
+            zip(
+                repeat(run),
+                repeat(key_id),
+                self.steps,
+                repeat(self.epoch),
+                self.times,
+                values.tolist(),
+            )
+        )
 
 
 class _Event:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from ..._validation import check_int
+from ...monitor.ring import RingBuffer
 from ._callback import Callback, RunContext
 
 __all__ = ["History"]
@@ -30,17 +34,57 @@ class History(Callback):
       validate (``NaN`` on the others, so all lists have one entry per epoch).
 
     Values are Python floats; the record starts afresh at each ``train``/``fit`` call.
+
+    Args:
+        step_history: also keep the losses of the last this-many steps in ``history.steps``,
+            a :class:`~stepwatch.RingBuffer` (bounded memory, O(1) per step). The losses stay
+            on the device and are copied to the host together, once per ``step_history``
+            steps (at most 1024) or epoch end. 0 (default) keeps none and adds no per-step work.
+
+    Raises:
+        TypeError / ValueError: ``step_history`` is not an int >= 0.
+
+    Example:
+        >>> history = History(step_history=1000)
+        >>> model.train(3, ds, callbacks=[history])
+        >>> history.steps.steps(), history.steps.values()   # the last 1000 step losses
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step_history: int = 0) -> None:
+        capacity = check_int("step_history", step_history, minimum=0)
         self.epoch: dict[str, list[int]] = {"epoch": []}
         self.history: dict[str, list[Any]] = {}
+        self.steps: RingBuffer | None = RingBuffer(capacity) if capacity else None
+        self._pending: list[torch.Tensor] = []
+        self._pending_steps: list[int] = []
+        self._flush_every = min(capacity, 1024)
+        if capacity:
+            # Bound only when asked for, so the default History adds nothing to each step.
+            self.on_train_step_end = self._record_step  # type: ignore[method-assign]
+
+    def _record_step(self, run_context: RunContext) -> None:
+        p = run_context._original_args
+        self._pending.append(p._raw_net_outputs)
+        self._pending_steps.append(p.cur_step_num)
+        if len(self._pending) >= self._flush_every:
+            self._flush_steps()
+
+    def _flush_steps(self) -> None:
+        if self.steps is None or not self._pending:
+            return
+        values = torch.stack([t.detach().float() for t in self._pending]).cpu().numpy()
+        self.steps.extend(self._pending_steps, values)
+        self._pending, self._pending_steps = [], []
 
     def on_train_begin(self, run_context: RunContext) -> None:
+        if self.steps is not None:
+            self.steps.clear()
+            self._pending, self._pending_steps = [], []
         self.epoch = {"epoch": []}
         self.history = {}
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
+        self._flush_steps()
         cb_params = run_context.original_args()
         row: dict[str, Any] = {"net_output": _number(cb_params.net_outputs)}
         for name, value in cb_params.train_results.items():

@@ -27,7 +27,8 @@ class LossMonitor(Callback):
     on the steps that print. A NaN or infinite loss stops training with a ValueError: on a
     printing step, or at the latest at the end of the epoch (the epoch's mean loss is then not
     finite). At the end of a ``fit`` epoch with validation it prints
-    ``Eval result: epoch 1, metrics: {...}``.
+    ``Eval result: epoch 1, metrics: {...}``. Under ``torch.distributed`` only rank 0 prints;
+    every rank still checks its loss.
 
     Args:
         per_print_times: steps between prints; ``0`` never prints.
@@ -63,7 +64,11 @@ class LossMonitor(Callback):
         step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
         if not math.isfinite(loss):
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
-        print(f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}", flush=True)
+        if cb_params.rank_id == 0:
+            print(
+                f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}",
+                flush=True,
+            )
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -72,7 +77,7 @@ class LossMonitor(Callback):
             step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)
-        if eval_results:
+        if eval_results and cb_params.rank_id == 0:
             print(
                 f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}", flush=True
             )

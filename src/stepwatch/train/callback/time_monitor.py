@@ -16,7 +16,7 @@ class TimeMonitor(Callback):
     The training epoch time counts the training steps only: in ``fit`` the validation pass is
     timed on its own (``Eval epoch time: ...``) and left out of the training figure. The epoch
     ends after the loop has read the epoch's loss from the device, so on a GPU the figure
-    includes the queued work.
+    includes the queued work. Under ``torch.distributed`` only rank 0 prints.
 
     Args:
         data_size: steps per epoch to divide by; default the dataset's number of batches.
@@ -59,7 +59,8 @@ class TimeMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         seconds = time.perf_counter() - self._train_start - self._eval_seconds
-        self._print("Train", seconds, self.data_size or cb_params.batch_num)
+        if cb_params.rank_id == 0:
+            self._print("Train", seconds, self.data_size or cb_params.batch_num)
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         self._eval_outer_start = time.perf_counter()
@@ -69,7 +70,9 @@ class TimeMonitor(Callback):
 
     def on_eval_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
-        self._print("Eval", time.perf_counter() - self._eval_start, cb_params.batch_num, data=False)
+        if cb_params.rank_id == 0:
+            seconds = time.perf_counter() - self._eval_start
+            self._print("Eval", seconds, cb_params.batch_num, data=False)
 
     def on_eval_end(self, run_context: RunContext) -> None:
         # Everything between the validation's begin and end is left out of the training time.
