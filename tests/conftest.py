@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,3 +77,17 @@ def wait_until(
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m stepwatch ARGS`` as a user would, capturing its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "stepwatch", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+    )

@@ -3,29 +3,16 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import stepwatch
 from stepwatch import load_checkpoint
 
-
-def _run(
-    *args: str, cwd: Path | None = None, timeout: float = 120
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stepwatch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=cwd,
-    )
+from .conftest import run_cli
 
 
 def test_demo_trains_digits_past_ninety_percent(tmp_path: Path) -> None:
-    result = _run("demo", "--epochs", "6", "--device", "cpu", cwd=tmp_path)
+    result = run_cli("demo", "--epochs", "6", "--device", "cpu", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert re.search(r"^epoch: 1 step: 22, loss is [\d.]+$", out, re.M)
@@ -37,7 +24,7 @@ def test_demo_trains_digits_past_ninety_percent(tmp_path: Path) -> None:
 
 
 def test_version_and_bad_arguments() -> None:
-    assert _run("--version").stdout.strip() == f"stepwatch {stepwatch.__version__}"
-    bad = _run("demo", "--epochs", "0")
+    assert run_cli("--version").stdout.strip() == f"stepwatch {stepwatch.__version__}"
+    bad = run_cli("demo", "--epochs", "0")
     assert bad.returncode == 2 and "expected a positive integer" in bad.stderr
     assert "Traceback" not in bad.stderr

@@ -28,24 +28,13 @@ from stepwatch import (
 )
 from stepwatch.store.reader import effective_status
 
-from .conftest import make_batches, make_model
+from .conftest import make_batches, make_model, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _job(*args: str) -> list[str]:
     return [sys.executable, "-m", "tests.jobs.store_job", *args]
-
-
-def _cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stepwatch", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=cwd,
-    )
 
 
 # -- recording -------------------------------------------------------------------------------
@@ -360,21 +349,21 @@ def two_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_cli_runs_show_compare(two_runs: Path) -> None:
-    runs = _cli("runs", "--db", str(two_runs))
+    runs = run_cli("runs", "--db", str(two_runs))
     assert runs.returncode == 0, runs.stderr
     lines = runs.stdout.splitlines()
     assert lines[0].split()[:4] == ["id", "name", "status", "steps"]
     assert lines[1].split()[:4] == ["1", "slow", "finished", "12"]
-    show = _cli("show", "fast", "--db", str(two_runs))
+    show = run_cli("show", "fast", "--db", str(two_runs))
     assert show.returncode == 0 and "run 2: fast" in show.stdout and "eval_accuracy" in show.stdout
-    compare = _cli("compare", "1", "2", "--db", str(two_runs))
+    compare = run_cli("compare", "1", "2", "--db", str(two_runs))
     assert compare.returncode == 0
     assert "1:slow final" in compare.stdout and "2:fast final" in compare.stdout
 
 
 def test_cli_export_csv_json_tensorboard(two_runs: Path, tmp_path: Path) -> None:
     for fmt, out in (("csv", "r.csv"), ("json", "r.json"), ("tensorboard", "tb")):
-        result = _cli(
+        result = run_cli(
             "export", "1", "--format", fmt, "--out", str(tmp_path / out), "--db", str(two_runs)
         )
         assert result.returncode == 0, result.stderr
@@ -405,17 +394,17 @@ def test_cli_export_csv_json_tensorboard(two_runs: Path, tmp_path: Path) -> None
 def test_cli_bad_run_is_one_line_exit_2(
     two_runs: Path, args: tuple[str, ...], message: str
 ) -> None:
-    result = _cli(*args, "--db", str(two_runs))
+    result = run_cli(*args, "--db", str(two_runs))
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
 
 
 def test_cli_missing_and_corrupt_database(tmp_path: Path) -> None:
-    missing = _cli("runs", "--db", str(tmp_path / "none.db"))
+    missing = run_cli("runs", "--db", str(tmp_path / "none.db"))
     assert missing.returncode == 2 and "no stepwatch database" in missing.stderr
     assert not (tmp_path / "none.db").exists()
     (tmp_path / "bad.db").write_bytes(b"\x00" * 4096)
-    corrupt = _cli("show", "1", "--db", str(tmp_path / "bad.db"))
+    corrupt = run_cli("show", "1", "--db", str(tmp_path / "bad.db"))
     assert corrupt.returncode == 2 and "not a stepwatch database" in corrupt.stderr
     assert len(corrupt.stderr.strip().splitlines()) == 1

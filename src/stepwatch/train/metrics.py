@@ -107,7 +107,23 @@ class Metric:
             )
 
 
-class Accuracy(Metric):
+class _HitRate(Metric):
+    """The fraction of samples that hit: a device-side count of hits over a host-side total."""
+
+    def clear(self) -> None:
+        self._correct: torch.Tensor | int = 0
+        self._total = 0
+
+    def _add(self, hits: torch.Tensor) -> None:
+        self._correct = hits.sum() + self._correct
+        self._total += hits.numel()
+
+    def eval(self) -> float:
+        self._need_updates(self._total)
+        return float(self._correct) / self._total
+
+
+class Accuracy(_HitRate):
     """Fraction of samples whose predicted class matches the label.
 
     Args:
@@ -119,10 +135,6 @@ class Accuracy(Metric):
         self.eval_type = check_choice("eval_type", eval_type, ("classification", "multilabel"))
         super().__init__()
 
-    def clear(self) -> None:
-        self._correct: torch.Tensor | int = 0
-        self._total = 0
-
     def update(self, *inputs: Any) -> None:
         y_pred, y = _two_inputs(self, inputs)
         with torch.no_grad():
@@ -131,24 +143,15 @@ class Accuracy(Metric):
             else:
                 pred, label = _class_predictions(y_pred, y)
                 hits = pred == label
-            self._correct = hits.sum() + self._correct
-            self._total += hits.numel()
-
-    def eval(self) -> float:
-        self._need_updates(self._total)
-        return float(self._correct) / self._total
+            self._add(hits)
 
 
-class TopKCategoricalAccuracy(Metric):
+class TopKCategoricalAccuracy(_HitRate):
     """Fraction of samples whose label is among the ``k`` highest scores."""
 
     def __init__(self, k: int = 5) -> None:
         self.k = check_int("k", k, minimum=1)
         super().__init__()
-
-    def clear(self) -> None:
-        self._correct: torch.Tensor | int = 0
-        self._total = 0
 
     def update(self, *inputs: Any) -> None:
         y_pred, y = _two_inputs(self, inputs)
@@ -159,13 +162,7 @@ class TopKCategoricalAccuracy(Metric):
                 y = y.argmax(dim=-1)
             k = min(self.k, y_pred.shape[-1])
             top = y_pred.topk(k, dim=-1).indices
-            hits = (top == y.reshape(-1, 1)).any(dim=-1)
-            self._correct = hits.sum() + self._correct
-            self._total += hits.numel()
-
-    def eval(self) -> float:
-        self._need_updates(self._total)
-        return float(self._correct) / self._total
+            self._add((top == y.reshape(-1, 1)).any(dim=-1))
 
 
 class Top1CategoricalAccuracy(TopKCategoricalAccuracy):
