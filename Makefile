@@ -19,6 +19,7 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check src tests bench examples
 	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
 
 format: install
 	$(VENV)/bin/ruff format src tests bench examples

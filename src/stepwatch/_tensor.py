@@ -32,7 +32,7 @@ class Tensor(torch.Tensor):
     """
 
     # Results of operations are plain tensors: no per-op subclass dispatch cost.
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     def asnumpy(self) -> np.ndarray:
         """Return the value as a NumPy array (copied to the host if needed)."""

@@ -6,13 +6,25 @@ names the argument, what it got and what to pass instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, overload
 
 __all__: list[str] = []
 
 
 def _got(value: Any) -> str:
     return f"{value!r} with type '{type(value).__name__}'"
+
+
+@overload
+def check_int(
+    name: str, value: Any, *, minimum: int | None = None, allow_none: Literal[False] = False
+) -> int: ...
+
+
+@overload
+def check_int(
+    name: str, value: Any, *, minimum: int | None = None, allow_none: bool
+) -> int | None: ...
 
 
 def check_int(
@@ -37,6 +49,18 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"'{name}' must be a bool (True or False), but got {_got(value)}.")
     return value
+
+
+@overload
+def check_number(
+    name: str, value: Any, *, minimum: float | None = None, allow_none: Literal[False] = False
+) -> float: ...
+
+
+@overload
+def check_number(
+    name: str, value: Any, *, minimum: float | None = None, allow_none: bool
+) -> float | None: ...
 
 
 def check_number(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__: list[str] = []
 
@@ -116,7 +118,7 @@ def connect_for_reading(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _retry(fn, attempts: int = 50) -> None:  # type: ignore[no-untyped-def]
+def _retry(fn: Callable[[], Any], attempts: int = 50) -> None:
     """Run ``fn``, retrying while another process holds the database."""
     for attempt in range(attempts):
         try:

@@ -311,7 +311,7 @@ class RunWriter:
 
     def _write_some(self) -> None:
         pending = self._pending
-        items = []
+        items: list[Any] = []
         while pending and len(items) < 50_000:
             items.append(pending.popleft())
         run = self.run_id

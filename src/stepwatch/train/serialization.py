@@ -27,7 +27,7 @@ TMP_PREFIX = ".tmp-"
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a training step may draw from."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # type: ignore[misc]
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

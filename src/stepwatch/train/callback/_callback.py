@@ -183,6 +183,37 @@ class CallbackParams:
     and the step itself.
     """
 
+    # The fields the loops set (declared for type checkers; unset ones raise AttributeError).
+    cur_step_num: int
+    cur_epoch_num: int
+    epoch_num: int
+    batch_num: int
+    initial_epoch: int
+    initial_step: int
+    train_network: Any
+    network: Any
+    eval_network: Any
+    loss_fn: Any
+    optimizer: Any
+    metrics: dict[str, Any]
+    device: Any
+    rank_id: int
+    device_number: int
+    parallel_mode: str
+    list_callback: Any
+    mode: str
+    train_dataset: Any
+    train_dataset_element: Any
+    valid_dataset: Any
+    eval_dataset_element: Any
+    dataset_sink_mode: bool
+    last_save_ckpt_step: int | None
+    latest_ckpt_file: str | None
+    step_time: float
+    train_results: dict[str, Any]
+    eval_results: dict[str, Any]
+    _epoch_start_rng: Any
+
     def __init__(self, **fields: Any) -> None:
         self._raw_net_outputs: Any = _UNSET
         self._raw_outputs: Any = None
@@ -239,6 +270,16 @@ class CallbackParams:
         if optimizer is None:
             raise AttributeError("'lr' needs an optimizer; this run has none")
         return float(optimizer.param_groups[0]["lr"])
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a field that is not set: an AttributeError, so that
+        # getattr(cb_params, "accuracy", None) and hasattr() work (MindSpore raises KeyError).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"cb_params has no field {name!r} at this point of the run; set fields: "
+            f"{', '.join(sorted(self.keys()))}"
+        )
 
     # -- dict-style access ---------------------------------------------------------------------
     def __getitem__(self, key: str) -> Any:
