@@ -92,6 +92,26 @@ def test_loss_monitor_catches_nan_by_epoch_end_between_prints() -> None:
         model.train(1, make_batches(8), callbacks=[LossMonitor(5)])
 
 
+def test_two_loss_monitors_with_different_cadence_are_allowed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    make_model().train(1, make_batches(4), callbacks=[LossMonitor(2), LossMonitor(4)])
+    assert len(capsys.readouterr().out.splitlines()) == 3
+
+
+def test_step_time_leaves_out_the_step_hooks() -> None:
+    import time
+
+    times: list[float] = []
+
+    def slow(rc: Any) -> None:
+        times.append(rc.original_args().step_time)
+        time.sleep(0.05)
+
+    make_model().train(1, make_batches(4), callbacks=[LambdaCallback(on_train_step_end=slow)])
+    assert len(times) == 4 and max(times[1:]) < 0.04
+
+
 # -- TimeMonitor ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "exc", "match"),

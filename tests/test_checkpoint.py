@@ -64,7 +64,14 @@ def _resume(path: Path) -> tuple[list[torch.Tensor], list[dict[str, Any]], float
     model, train, valid = train_job.build()
     torch.manual_seed(12345)  # the checkpoint's generators must win over this
     steering = train_job.steering()
-    model.fit(train_job.EPOCHS, train, valid, callbacks=steering, resume_from=path)
+    steps: list[int] = []
+    seen = LambdaCallback(
+        on_train_step_end=lambda rc: steps.append(rc.original_args().cur_step_num)
+    )
+    model.fit(train_job.EPOCHS, train, valid, callbacks=[*steering, seen], resume_from=path)
+    # Global steps continue from the checkpoint's to the end of the run.
+    saved = load_checkpoint(path)["step"]
+    assert steps == list(range(saved + 1, train_job.EPOCHS * 8 + 1))
     return (
         _weights(model),
         [cb.state_dict() for cb in steering],
@@ -159,6 +166,61 @@ def test_backup_and_restore_continues_after_a_crash(tmp_path: Path, straight: An
     )
     _assert_same_run(resumed, straight)
     assert not (tmp_path / "backup.pt").exists()
+
+
+def _sigterm_at(step: int) -> LambdaCallback:
+    def send(rc: Any) -> None:
+        if rc.original_args().cur_step_num == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return LambdaCallback(on_train_step_end=send)
+
+
+def test_interrupted_run_keeps_its_backup_and_resumes(tmp_path: Path) -> None:
+    callbacks = [
+        _sigterm_at(6),
+        OnRequestExit(directory=tmp_path, file_name="exit"),
+        BackupAndRestore(tmp_path / "bk", save_freq=2),
+    ]
+    make_model().train(3, make_batches(4), callbacks=callbacks)
+    backup = load_checkpoint(tmp_path / "bk" / "backup.pt")
+    assert backup["step"] == 6  # kept: the run was interrupted, not finished
+    exit_state = load_checkpoint(tmp_path / "exit.pt")
+    assert (exit_state["step"], exit_state["epoch_complete"]) == (6, False)
+    steps: list[int] = []
+    seen = LambdaCallback(
+        on_train_step_end=lambda rc: steps.append(rc.original_args().cur_step_num)
+    )
+    make_model().train(3, make_batches(4), callbacks=[seen, BackupAndRestore(tmp_path / "bk")])
+    assert steps == list(range(7, 13))
+    assert not (tmp_path / "bk" / "backup.pt").exists()
+
+
+def test_on_request_exit_on_an_epochs_last_step_saves_at_epoch_end(tmp_path: Path) -> None:
+    exit_cb = OnRequestExit(directory=tmp_path, file_name="exit")
+    make_model().train(3, make_batches(4), callbacks=[_sigterm_at(4), exit_cb])
+    state = load_checkpoint(tmp_path / "exit.pt")
+    assert (state["epoch"], state["step"], state["epoch_complete"]) == (1, 4, True)
+    make_model().train(3, make_batches(4), resume_from=tmp_path / "exit.pt")
+    # Used again, the same callback writes a new checkpoint.
+    (tmp_path / "exit.pt").unlink()
+    make_model().train(2, make_batches(4), callbacks=[_sigterm_at(2), exit_cb])
+    assert load_checkpoint(tmp_path / "exit.pt")["step"] == 2
+
+
+def test_stop_mid_epoch_saves_an_incomplete_epoch(tmp_path: Path) -> None:
+    def stop_at_3(rc: Any) -> None:
+        if rc.original_args().cur_step_num == 3:
+            rc.request_stop("test")
+
+    config = CheckpointConfig(save_checkpoint_steps=100)
+    cbs = [
+        LambdaCallback(on_train_step_end=stop_at_3),
+        ModelCheckpoint(directory=tmp_path, config=config),
+    ]
+    make_model().train(2, make_batches(5), callbacks=cbs)
+    state = load_checkpoint(tmp_path / "CKP-1_3.pt")
+    assert (state["step_in_epoch"], state["epoch_complete"]) == (3, False)
 
 
 def test_backup_and_restore_without_a_backup_does_not_crash(tmp_path: Path) -> None:
@@ -268,7 +330,29 @@ def test_exception_save_writes_breakpoint(tmp_path: Path) -> None:
                 LambdaCallback(on_train_step_end=boom),
             ],
         )
+    # The failure is in step 3's step-end hook: step 3's update is done and counted.
     assert load_checkpoint(tmp_path / "CKP-2_1_breakpoint.pt")["step"] == 3
+
+
+def test_breakpoint_does_not_count_a_step_that_failed_half_way(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def loss_fn(out: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("forward failed")
+        return nn.functional.cross_entropy(out, label)
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    model = stepwatch.Model(net, loss_fn, torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
+    config = CheckpointConfig(save_checkpoint_steps=100, exception_save=True)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        model.train(
+            2, make_batches(2), callbacks=[ModelCheckpoint(directory=tmp_path, config=config)]
+        )
+    state = load_checkpoint(tmp_path / "CKP-1_2_breakpoint.pt")
+    assert (state["epoch"], state["step"]) == (1, 2)
 
 
 @pytest.mark.parametrize(

@@ -187,6 +187,26 @@ def test_full_queue_waits_then_drops_and_counts(tmp_path: Path) -> None:
         assert len(store.metrics(run.id, "x")[0]) == 1000 - dropped
 
 
+def test_small_queue_wakes_the_writer_instead_of_dropping(tmp_path: Path) -> None:
+    writer = RunWriter(tmp_path / "s.db", max_pending=100, flush_seconds=30)
+    for i in range(2000):
+        writer.log("x", i, i)
+    writer.close()
+    assert writer.dropped == 0 and writer.written == 2000
+
+
+def test_per_class_metrics_are_recorded_as_one_key_per_class(tmp_path: Path) -> None:
+    from stepwatch import Precision
+
+    model = make_model(metrics={"precision": Precision(average=None)})
+    recorder = RunRecorder(db=tmp_path / "s.db")
+    model.fit(1, make_batches(4), make_batches(2), callbacks=[recorder])
+    assert recorder.dropped == 0
+    with Store(tmp_path / "s.db") as store:
+        keys = store.keys(recorder.run_id)
+    assert {"train_precision/0", "eval_precision/2", "loss"} <= set(keys)
+
+
 def test_four_processes_write_one_file_concurrently(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     procs = [

@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._validation import check_int, check_number
@@ -14,6 +15,14 @@ from ..train.callback._callback import Callback, CallbackParams, RunContext
 from .writer import RunWriter
 
 __all__ = ["RunRecorder"]
+
+
+def _scalars(key: str, value: Any) -> list[tuple[str, Any]]:
+    """One point per number: a per-class metric (an array) becomes ``key/0``, ``key/1``, ..."""
+    size = getattr(value, "size", None)
+    if isinstance(value, (list, tuple)) or (isinstance(size, int) and size > 1):
+        return [(f"{key}/{i}", v) for i, v in enumerate(np.asarray(value).ravel().tolist())]
+    return [(key, value)]
 
 
 def _detached(loss: object) -> torch.Tensor:
@@ -190,13 +199,16 @@ class RunRecorder(Callback):
         self._transfer(p)
         step, epoch = p.cur_step_num, p.cur_epoch_num
         for name, value in (getattr(p, "train_results", None) or {}).items():
-            writer.log("epoch_loss" if name == "loss" else f"train_{name}", value, step, epoch)
+            key = "epoch_loss" if name == "loss" else f"train_{name}"
+            for sub, number in _scalars(key, value):
+                writer.log(sub, number, step, epoch)
         eval_results = getattr(p, "eval_results", None) or {}
         for name, value in eval_results.items():
             if name == "loss" and "eval_loss" in eval_results:
                 continue
             key = name if name.startswith("eval_") else f"eval_{name}"
-            writer.log(key, value, step, epoch)
+            for sub, number in _scalars(key, value):
+                writer.log(sub, number, step, epoch)
         if p.latest_ckpt_file and p.latest_ckpt_file != self._last_ckpt:
             self._last_ckpt = p.latest_ckpt_file
             writer.event(

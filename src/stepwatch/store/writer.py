@@ -282,13 +282,16 @@ class RunWriter:
     def _run(self) -> None:
         last = time.monotonic()
         tick = min(self.flush_seconds, 0.25)
+        # Write early once this much waits, so the queue never fills while the writer idles.
+        early = max(1, min(4096, self.max_pending // 2))
         while True:
-            if len(self._pending) < 4096 and not self._closing:
-                self._wake.wait(tick)
+            woken = True
+            if len(self._pending) < early and not self._closing:
+                woken = self._wake.wait(tick)  # set by a full queue, flush() or close()
             self._wake.clear()
             now = time.monotonic()
             closing = self._closing
-            if closing or now - last >= self.flush_seconds or len(self._pending) >= 4096:
+            if closing or woken or now - last >= self.flush_seconds:
                 self._write_pending()
                 last = now
             if closing and not self._pending:
@@ -377,11 +380,12 @@ class RunWriter:
 
 
 def _number(value: Any) -> float | None:
-    if hasattr(value, "item"):
-        value = value.item()
+    """A float for the database; None (stored as NULL) for anything that is not one number."""
     try:
+        if hasattr(value, "item"):
+            value = value.item()
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         return None
 
 

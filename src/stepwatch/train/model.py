@@ -529,9 +529,11 @@ class Model:
             cb_params.epoch_num = epoch - initial_epoch
             cb_params.initial_epoch = initial_epoch
             cb_params.initial_step = resume["step"] - skip
-            cb_params.cur_step_num = cb_params.initial_step
+            # Steps continue from the checkpoint; the skipped batches were trained before it.
+            cb_params.cur_step_num = resume["step"]
             cb_params.cur_epoch_num = initial_epoch
 
+        cb_params._trained_step = cb_params.cur_step_num
         with cb_list.entered():
             cb_list.call("on_train_begin", run_context)
             if resume is not None:
@@ -601,7 +603,7 @@ class Model:
                 f"{str(resume_from)!r} holds weights only (written by save_checkpoint); resuming "
                 "needs a checkpoint from ModelCheckpoint, BackupAndRestore or OnRequestExit."
             )
-        if state["epoch_complete"]:
+        if state["epoch_complete"] or state["step_in_epoch"] >= state["batch_num"]:
             initial_epoch, skip = state["epoch"], 0
         else:
             initial_epoch, skip = state["epoch"] - 1, state["step_in_epoch"]
@@ -692,15 +694,15 @@ class Model:
                     for metric in train_metrics:
                         metric.update(outputs, label)
                 if hooked:
-                    now = perf_counter()
-                    cb_params.step_time = now - last_step_end
-                    last_step_end = now
+                    cb_params.step_time = perf_counter() - last_step_end
+                    cb_params._trained_step = step
                     cb_params._raw_net_outputs = detached
                     cb_params._raw_outputs = (
                         outputs.detach() if type(outputs) is tensor else outputs
                     )
                     for fn in step_end:
                         fn(run_context)
+                    last_step_end = perf_counter()  # the hooks' time is not the next step's
                     if run_context._stop_requested:
                         break
         except BaseException as exc:
@@ -708,7 +710,7 @@ class Model:
             raise
         steps = step - first_step
         if steps and not hooked:
-            cb_params.cur_step_num = step
+            cb_params.cur_step_num = cb_params._trained_step = step
             cb_params.train_dataset_element = batch
             cb_params.step_time = (perf_counter() - epoch_start) / steps
             cb_params._raw_net_outputs = detached

@@ -243,25 +243,33 @@ def build_checkpoint(
 ) -> dict[str, Any]:
     """The checkpoint of the run described by ``cb_params``, as of now.
 
-    ``copy=True`` copies every tensor to the CPU, so the result can be written from another
-    thread while training goes on changing the originals.
+    ``epoch_complete``: True when saving at an epoch's end (after its validation and epoch-end
+    hooks); it is recorded only if the epoch's last step was trained. ``copy=True`` copies
+    every tensor to the CPU, so the result can be written from another thread while training
+    goes on changing the originals.
     """
     import time
 
     net = network if network is not None else cb_params.network
     optimizer = cb_params.optimizer
     batch_num = int(cb_params.batch_num)
-    step = int(cb_params.cur_step_num)
+    # The last step whose update is done: a step that failed half-way is not counted.
+    step = int(cb_params.__dict__.get("_trained_step", cb_params.cur_step_num))
+    step_in_epoch = (step - 1) % batch_num + 1 if step else 0
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "network": net.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "epoch": int(cb_params.cur_epoch_num),
+        # The epoch the step belongs to: a failure at an epoch's first step leaves the
+        # previous epoch's last step as the last one done.
+        "epoch": (step - 1) // batch_num + 1 if step else int(cb_params.cur_epoch_num),
         "step": step,
-        "step_in_epoch": (step - 1) % batch_num + 1 if step else 0,
+        "step_in_epoch": step_in_epoch,
         "batch_num": batch_num,
-        "epoch_complete": bool(epoch_complete),
+        # Saved at an epoch end after a stop part-way through, the epoch is not complete: a
+        # resumed run trains the rest of it.
+        "epoch_complete": bool(epoch_complete) and step_in_epoch == batch_num,
         "rng": rng_state(),
         "epoch_rng": getattr(cb_params, "_epoch_start_rng", None),
         "callbacks": callback_states(cb_params.list_callback),

@@ -213,6 +213,7 @@ class CallbackParams:
     train_results: dict[str, Any]
     eval_results: dict[str, Any]
     _epoch_start_rng: Any
+    _trained_step: int  # the last step whose optimizer update is done
 
     def __init__(self, **fields: Any) -> None:
         self._raw_net_outputs: Any = _UNSET
@@ -337,18 +338,23 @@ class RunContext:
             )
         self._stop_requested = False
         self.stop_reason: str | None = None
+        # True when the stop comes from outside (a signal): the run is interrupted, not done.
+        self.interrupted = False
 
     def original_args(self) -> CallbackParams:
         """Return the cb_params object."""
         return self._original_args
 
-    def request_stop(self, reason: str | None = None) -> None:
+    def request_stop(self, reason: str | None = None, interrupted: bool = False) -> None:
         """Ask the loop to stop after the current step.
 
         The rest of the epoch is skipped; validation (in ``fit``), ``on_train_epoch_end`` and
         ``on_train_end`` still run. ``reason`` is logged once when the run stops.
+        ``interrupted=True`` says the run was cut short from outside (a signal) and should be
+        resumed later: backups are kept and the run store marks it ``interrupted``.
         """
         self._stop_requested = True
+        self.interrupted = self.interrupted or interrupted
         if reason is not None and self.stop_reason is None:
             self.stop_reason = reason
 

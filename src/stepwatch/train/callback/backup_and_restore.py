@@ -18,8 +18,9 @@ class BackupAndRestore(Callback):
 
     At the start of ``train``/``fit``, if ``backup_dir`` holds a backup, the network, optimizer,
     random generators, counters and callback states are restored from it and training continues
-    at the saved epoch and step. At a normal end the backup is deleted (``delete_checkpoint``);
-    when there is none, nothing happens.
+    at the saved epoch and step. At a normal end (early stopping included) the backup is
+    deleted (``delete_checkpoint``); when there is none, nothing happens. A run interrupted by
+    a signal (``OnRequestExit``) keeps it, so the restarted job resumes.
 
     Args:
         backup_dir: the folder for the backup file (``backup.pt``); created if missing.
@@ -82,7 +83,8 @@ class BackupAndRestore(Callback):
         self._backup(run_context, epoch_complete=True)
 
     def on_train_end(self, run_context: RunContext) -> None:
-        if self.delete_checkpoint:
+        # A run stopped from outside (OnRequestExit) is to be resumed: keep its backup.
+        if self.delete_checkpoint and not run_context.interrupted:
             try:
                 self.backup_path.unlink()
             except FileNotFoundError:

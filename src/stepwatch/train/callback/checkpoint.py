@@ -300,13 +300,13 @@ class ModelCheckpoint(MonitorCallback):
         try:
             if exc_type is not None and self.config.exception_save and self._cb_params is not None:
                 p = self._cb_params
-                name = f"{self.prefix}-{p.cur_epoch_num}_{self._step_in_epoch(p)}_breakpoint.pt"
                 state = build_checkpoint(
                     p,
                     epoch_complete=False,
                     network=self.config.saved_network,
                     append_info=self._append_info(p),
                 )
+                name = f"{self.prefix}-{state['epoch']}_{state['step_in_epoch']}_breakpoint.pt"
                 path = write_atomic(state, self.directory / name)
                 logger.warning("training failed; breakpoint checkpoint saved to %s", path)
         finally:
@@ -383,7 +383,8 @@ class ModelCheckpoint(MonitorCallback):
 
     def _link_last(self, path: Path) -> None:
         last = self.directory / f"{self.prefix}-last.pt"
-        tmp = self.directory / f".tmp-{self.prefix}-last.pt"
+        # A unique temporary name: several processes may share the directory.
+        tmp = self.directory / f".tmp-{self.prefix}-last-{os.getpid()}-{threading.get_ident()}.pt"
         _unlink(tmp)
         try:
             os.link(path, tmp)

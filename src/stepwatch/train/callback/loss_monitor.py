@@ -82,6 +82,10 @@ class LossMonitor(Callback):
                 f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}", flush=True
             )
 
+    @property
+    def state_key(self) -> str:
+        return self._state_key_with(per_print_times=self._per_print_times)
+
     def state_dict(self) -> dict[str, int]:
         return {"last_print_step": self._schedule.last_step}
 

@@ -80,6 +80,7 @@ class OnRequestExit(Callback):
 
     def on_train_begin(self, run_context: RunContext) -> None:
         self.received = None
+        self.checkpoint_path = None
         if threading.current_thread() is not threading.main_thread():
             warnings.warn(
                 "OnRequestExit only works when training runs on the main thread; signals are "
@@ -103,11 +104,17 @@ class OnRequestExit(Callback):
             state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
             self.checkpoint_path = write_atomic(state, self.path)
             reason += f"; checkpoint saved to {self.checkpoint_path}"
-        run_context.request_stop(reason)
+        run_context.request_stop(reason, interrupted=True)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        if self.received is not None and not run_context.get_stop_requested():
-            self._stop(run_context, epoch_complete=False)
+        if self.received is None or run_context.get_stop_requested():
+            return
+        p = run_context._original_args
+        if (p.cur_step_num - 1) % p.batch_num + 1 == p.batch_num:
+            # The epoch's last step: stop, and save at the epoch end with the epoch's state.
+            run_context.request_stop(f"received {self.received.name}", interrupted=True)
+            return
+        self._stop(run_context, epoch_complete=False)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         if self.received is not None and self.checkpoint_path is None:
