@@ -129,6 +129,28 @@ def test_keyboard_interrupt_marks_run_interrupted(tmp_path: Path) -> None:
         assert store.run(recorder.run_id).status == "interrupted"
 
 
+def test_signal_stop_marks_run_interrupted(tmp_path: Path) -> None:
+    import os
+
+    from stepwatch import OnRequestExit
+
+    def sigterm(rc: Any) -> None:
+        if rc.original_args().cur_step_num == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    recorder = RunRecorder(db=tmp_path / "s.db")
+    callbacks = [
+        LambdaCallback(on_train_step_end=sigterm),
+        OnRequestExit(directory=tmp_path),
+        recorder,
+    ]
+    make_model().train(3, make_batches(4), callbacks=callbacks)
+    with Store(tmp_path / "s.db") as store:
+        assert store.run(recorder.run_id).status == "interrupted"
+        stops = [e["message"] for e in store.events(recorder.run_id) if e["kind"] == "stop"]
+        assert stops and "received SIGTERM" in stops[0]
+
+
 def test_sigkill_keeps_points_up_to_the_last_flush_and_shows_crashed(tmp_path: Path) -> None:
     db = tmp_path / "s.db"
     proc = subprocess.Popen(

@@ -228,7 +228,7 @@ class RunRecorder(Callback):
         if run_context.get_stop_requested():
             reason = run_context.stop_reason or "a callback requested a stop"
             writer.event("stop", f"training stopped: {reason}", p.cur_step_num, p.cur_epoch_num)
-        writer.close("finished")
+        writer.close("interrupted" if run_context.interrupted else "finished")
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         writer = self.writer
