@@ -434,9 +434,6 @@ class CallbackList:
     def __iter__(self) -> Iterator[Callback]:
         return iter(self.callbacks)
 
-    def has(self, hook: str) -> bool:
-        return bool(self.table[hook])
-
     def call(self, hook: str, run_context: RunContext) -> None:
         """Call ``hook`` on every callback that implements it, in order."""
         try:

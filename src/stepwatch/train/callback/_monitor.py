@@ -87,6 +87,11 @@ class MonitorCallback(Callback):
         self._warned_missing = False
 
     @property
+    def state_key(self) -> str:
+        # Two watchers of different values may run together; of the same value, not.
+        return self._state_key_with(monitor=self.monitor, mode=self.mode)
+
+    @property
     def minimize(self) -> bool:
         return self._minimize
 

@@ -56,10 +56,6 @@ class BackupAndRestore(Callback):
     def backup_path(self) -> Path:
         return self.backup_dir / "backup.pt"
 
-    @property
-    def state_key(self) -> str:
-        return self._state_key_with(backup_dir=str(self.backup_dir))
-
     def resume_checkpoint(self) -> Path | None:
         """The backup to resume from, if there is one (the Model asks before training)."""
         return self.backup_path if self.backup_path.is_file() else None

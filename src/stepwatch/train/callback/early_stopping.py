@@ -57,10 +57,6 @@ class EarlyStopping(MonitorCallback):
         self.restore_best_weights = check_bool("restore_best_weights", restore_best_weights)
         self._reset()
 
-    @property
-    def state_key(self) -> str:
-        return self._state_key_with(monitor=self.monitor, mode=self.mode)
-
     def _reset(self) -> None:
         self._reset_monitor()
         if self.baseline is not None:

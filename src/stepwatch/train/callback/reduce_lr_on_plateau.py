@@ -62,10 +62,6 @@ class ReduceLROnPlateau(MonitorCallback):
             self.min_lr = check_number("min_lr", min_lr, minimum=0.0) or 0.0
         self._reset()
 
-    @property
-    def state_key(self) -> str:
-        return self._state_key_with(monitor=self.monitor, mode=self.mode)
-
     def _reset(self) -> None:
         self._reset_monitor()
         self.wait = 0
