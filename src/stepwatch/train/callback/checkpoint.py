@@ -255,7 +255,7 @@ class ModelCheckpoint(MonitorCallback):
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(self.directory, "")
+        remove_stale_temporaries(self.directory, self._prefix_requested)
         self.prefix = self._free_prefix()
         self._saved = []
         self._reset_monitor()
