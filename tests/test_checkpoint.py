@@ -124,7 +124,9 @@ def test_sigkill_during_saves_leaves_newest_checkpoint_loadable(tmp_path: Path) 
         state = load_checkpoint(newest)
         assert state["network"]["0.weight"].shape == (1024, 8)
         load_checkpoint(directory / "CKP-last.pt")
-        assert len([p for p in files if "last" not in p.name]) <= 3
+        # keep_checkpoint_max=3; a kill between writing a new file and pruning the oldest
+        # leaves one more.
+        assert len([p for p in files if "last" not in p.name]) <= 3 + 1
 
 
 def test_sigterm_with_on_request_exit_exits_zero_with_resumable_checkpoint(tmp_path: Path) -> None:
