@@ -54,7 +54,7 @@ class SyncGuard(stepwatch.Callback):
 
     def on_train_step_begin(self, run_context: stepwatch.RunContext) -> None:
         p = run_context.original_args()
-        step_in_epoch = (p.cur_step_num - 1) % p.batch_num + 1
+        step_in_epoch = p.step_in_epoch
         loud = p.cur_step_num % self.print_every == 0 or step_in_epoch == p.batch_num
         torch.cuda.set_sync_debug_mode("default" if loud else "error")
         self.checked += not loud

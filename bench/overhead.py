@@ -137,7 +137,7 @@ def stepwatch_model(work: Workload) -> stepwatch.Model:
 
 def paired_raw(model: stepwatch.Model, work: Workload) -> EpochRunner:
     """A raw loop over the very network and optimizer ``model`` trains."""
-    return raw_runner(work, model.train_network, model._optimizer)
+    return raw_runner(work, model.train_network, model.optimizer)
 
 
 def stepwatch_runner(work: Workload) -> EpochRunner:

@@ -250,8 +250,12 @@ def test_two_callbacks_with_the_same_state_key_are_rejected(tmp_path: Any) -> No
         make_model().train(
             1,
             make_batches(1),
-            callbacks=[ModelCheckpoint(directory=tmp_path, config=config)] * 2,
+            callbacks=[ModelCheckpoint(directory=tmp_path, config=config) for _ in range(2)],
         )
+    # The same instance twice is named as such, not as a key clash.
+    checkpoint = ModelCheckpoint(directory=tmp_path, config=config)
+    with pytest.raises(ValueError, match="same ModelCheckpoint instance is passed twice"):
+        make_model().train(1, make_batches(1), callbacks=[checkpoint, checkpoint])
     # Different monitors are different keys.
     make_model(metrics={"accuracy"}).train(
         1, make_batches(1), callbacks=[EarlyStopping("loss"), EarlyStopping("train_accuracy")]

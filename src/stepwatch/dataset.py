@@ -1,4 +1,5 @@
-"""Datasets: what ``Model.train/fit/eval`` accept, and a small array adapter.
+"""Datasets: what ``Model.train/fit/eval`` accept, a small array adapter, and how a batch is
+checked, moved to the device and fed to the network.
 
 The loops take a ``torch.utils.data.DataLoader``, any re-iterable sized sequence of
 ``(data, label)`` batches (a list of tuples works), or :class:`NumpySlicesDataset`, named and
@@ -10,7 +11,7 @@ shaped as MindSpore users know it::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -211,3 +212,85 @@ def set_epoch(dataset: Any, epoch: int) -> None:
     sampler = getattr(dataset, "sampler", None)
     if sampler is not None and callable(getattr(sampler, "set_epoch", None)):
         sampler.set_epoch(epoch)
+
+
+def check_batch(batch: Any, argname: str, has_loss_fn: bool) -> None:
+    """Raise a clear ValueError when a batch is not ``(data, label)`` but must be."""
+    if not has_loss_fn and argname == "train_dataset":
+        return
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        got = (
+            f"{len(batch)} columns"
+            if isinstance(batch, (tuple, list))
+            else (f"a {type(batch).__name__}")
+        )
+        raise ValueError(
+            f"each batch of '{argname}' must be (data, label) when loss_fn is set, but got "
+            f"{got}. Make the dataset yield (data, label) pairs, or use loss_fn=None with a "
+            "network that computes its own loss."
+        )
+
+
+def check_first_batch(dataset: Any, argname: str, has_loss_fn: bool) -> None:
+    """Check the first batch of an indexable dataset before any callback runs."""
+    batch = first_batch(dataset)
+    if batch is not None:
+        check_batch(batch, argname, has_loss_fn)
+
+
+def move(obj: Any, device: torch.device) -> Any:
+    """Move tensors (in tuples, lists and dicts too) to ``device`` without blocking."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        moved = [move(x, device) for x in obj]
+        return type(obj)(moved) if type(obj) in (tuple, list) else type(obj)(*moved)
+    if isinstance(obj, dict):
+        return {k: move(v, device) for k, v in obj.items()}
+    if type(obj).__module__ == "numpy" and hasattr(obj, "dtype") and hasattr(obj, "shape"):
+        return torch.from_numpy(obj).to(device, non_blocking=True)
+    return obj
+
+
+def feed(network: Any, inputs: Any) -> Any:
+    """Call ``network`` on a batch's data: a tuple/list is spread, a dict passed by name."""
+    if isinstance(inputs, (tuple, list)):
+        return network(*inputs)
+    if isinstance(inputs, dict):
+        return network(**inputs)
+    return network(inputs)
+
+
+def split_loss(result: Any) -> tuple[torch.Tensor, Any]:
+    """(loss, outputs) from a network that computes its own loss."""
+    if isinstance(result, torch.Tensor):
+        return result, None
+    if isinstance(result, dict) and "loss" in result:
+        return result["loss"], result
+    if isinstance(result, (tuple, list)) and result and isinstance(result[0], torch.Tensor):
+        return result[0], result[1:] if len(result) > 1 else None
+    raise TypeError(
+        "with loss_fn=None the network must return the loss (a tensor, a tuple starting with "
+        f"it, or a dict with a 'loss' key), but it returned {type(result).__name__}."
+    )
+
+
+class ContinuingBatches:
+    """Batches that continue across epochs, restarting the dataset when it runs out (sink
+    mode with ``sink_size``)."""
+
+    def __init__(self, dataset: Iterable[Any]) -> None:
+        self._dataset = dataset
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is not None:
+            try:
+                return next(self._it)
+            except StopIteration:
+                pass
+        self._it = iter(self._dataset)
+        return next(self._it)

@@ -11,7 +11,7 @@ import torch
 
 from .._validation import check_int, check_number
 from ..monitor.schedule import Every
-from ..train.callback._callback import Callback, CallbackParams, RunContext
+from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from .writer import RunWriter
 
 __all__ = ["RunRecorder"]
@@ -63,7 +63,8 @@ class RunRecorder(Callback):
         TypeError / ValueError: bad arguments or a config that is not JSON-serialisable.
     """
 
-    order = 200  # after the callbacks whose effects it records
+    order = ORDER_RECORD  # after the callbacks whose effects it records
+    rank_zero_only = True
 
     def __init__(
         self,
@@ -144,12 +145,12 @@ class RunRecorder(Callback):
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.writer is None:
             return
-        p = run_context._original_args
+        p = run_context.cb_params
         step = p.cur_step_num
         sample = self._sample
         if step < sample.next_step or not sample.due(step):
             return
-        loss = p._raw_net_outputs  # the Model hands over a detached tensor
+        loss = p.loss_tensor  # the loop hands over a detached tensor
         if type(loss) is not torch.Tensor or loss.requires_grad:
             loss = _detached(loss)
         losses = self._losses

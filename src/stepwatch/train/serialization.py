@@ -1,21 +1,20 @@
-"""Checkpoint files: what they hold, how they are written safely, and how a run resumes.
+"""Checkpoint files: how they are written safely and read back.
 
-A checkpoint is one ``torch.save`` file holding the network, the optimizer, the loop counters,
-every random generator's state and the state of each stateful callback. Files are written to a
-temporary name in the same directory, flushed to disk and renamed over the target, so a process
-killed mid-save leaves the previous file intact. Files load with ``weights_only=True``.
+A checkpoint is one ``torch.save`` file holding the network, the optimizer and, when written
+by a callback, the loop's place and the callbacks' state (see :mod:`stepwatch.train.resume`).
+Files are written to a temporary name in the same directory, flushed to disk and renamed over
+the target, so a process killed mid-save leaves the previous file intact. Files load with
+``weights_only=True``.
 """
 
 from __future__ import annotations
 
 import os
-import random
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -23,38 +22,6 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 FORMAT = "stepwatch-checkpoint"
 VERSION = 1
 TMP_PREFIX = ".tmp-"
-
-
-def rng_state() -> dict[str, Any]:
-    """Every random generator a training step may draw from."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, py_gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "python": [version, list(internal), py_gauss],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
-    )
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def to_cpu(obj: Any) -> Any:
@@ -121,7 +88,7 @@ def save_checkpoint(save_obj: Any, ckpt_file_name: str | os.PathLike[str]) -> Pa
         network, optimizer = save_obj, None
     elif hasattr(save_obj, "train_network"):
         network = save_obj.train_network.state_dict()
-        opt = getattr(save_obj, "_optimizer", None)
+        opt = getattr(save_obj, "optimizer", None)
         optimizer = opt.state_dict() if opt is not None else None
     else:
         raise TypeError(
@@ -163,32 +130,6 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def callback_states(callbacks: Iterable[Any]) -> dict[str, Any]:
-    """``{state_key: state_dict()}`` for every stateful callback."""
-    return {cb.state_key: to_cpu(cb.state_dict()) for cb in callbacks if is_stateful(cb)}
-
-
-def is_stateful(callback: Any) -> bool:
-    from .callback._callback import Callback
-
-    return type(callback).state_dict is not Callback.state_dict
-
-
-def check_state_keys(callbacks: Iterable[Any]) -> None:
-    seen: dict[str, Any] = {}
-    for cb in callbacks:
-        if not is_stateful(cb):
-            continue
-        key = cb.state_key
-        if key in seen:
-            raise ValueError(
-                f"two callbacks share the state_key {key!r} ({type(seen[key]).__name__} and "
-                f"{type(cb).__name__}); their saved states would overwrite each other. Give one "
-                "of them different arguments or override its state_key."
-            )
-        seen[key] = cb
-
-
 def load_checkpoint(
     path: str | os.PathLike[str],
     model: Any = None,
@@ -217,63 +158,14 @@ def load_checkpoint(
     if model is not None:
         network = model if isinstance(model, nn.Module) else model.train_network
         network.load_state_dict(state["network"], strict=strict)
-        optimizer = None if isinstance(model, nn.Module) else model._optimizer
+        optimizer = None if isinstance(model, nn.Module) else model.optimizer
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
     if callbacks is not None:
-        load_checkpoint_states(state, callbacks)
+        saved = state.get("callbacks", {})
+        for cb in callbacks:
+            # Only stateful callbacks have a saved state under their key.
+            key = getattr(cb, "state_key", None)
+            if key is not None and key in saved:
+                cb.load_state_dict(saved[key])
     return state
-
-
-def load_checkpoint_states(state: dict[str, Any], callbacks: Iterable[Any]) -> None:
-    """Give each stateful callback its saved state, matched by ``state_key``."""
-    saved = state.get("callbacks", {})
-    for cb in callbacks:
-        if is_stateful(cb) and cb.state_key in saved:
-            cb.load_state_dict(saved[cb.state_key])
-
-
-def build_checkpoint(
-    cb_params: Any,
-    *,
-    epoch_complete: bool,
-    network: Any = None,
-    append_info: dict[str, Any] | None = None,
-    copy: bool = False,
-) -> dict[str, Any]:
-    """The checkpoint of the run described by ``cb_params``, as of now.
-
-    ``epoch_complete``: True when saving at an epoch's end (after its validation and epoch-end
-    hooks); it is recorded only if the epoch's last step was trained. ``copy=True`` copies
-    every tensor to the CPU, so the result can be written from another thread while training
-    goes on changing the originals.
-    """
-    import time
-
-    net = network if network is not None else cb_params.network
-    optimizer = cb_params.optimizer
-    batch_num = int(cb_params.batch_num)
-    # The last step whose update is done: a step that failed half-way is not counted.
-    step = int(cb_params.__dict__.get("_trained_step", cb_params.cur_step_num))
-    step_in_epoch = (step - 1) % batch_num + 1 if step else 0
-    state: dict[str, Any] = {
-        "format": FORMAT,
-        "version": VERSION,
-        "network": net.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        # The epoch the step belongs to: a failure at an epoch's first step leaves the
-        # previous epoch's last step as the last one done.
-        "epoch": (step - 1) // batch_num + 1 if step else int(cb_params.cur_epoch_num),
-        "step": step,
-        "step_in_epoch": step_in_epoch,
-        "batch_num": batch_num,
-        # Saved at an epoch end after a stop part-way through, the epoch is not complete: a
-        # resumed run trains the rest of it.
-        "epoch_complete": bool(epoch_complete) and step_in_epoch == batch_num,
-        "rng": rng_state(),
-        "epoch_rng": getattr(cb_params, "_epoch_start_rng", None),
-        "callbacks": callback_states(cb_params.list_callback),
-        "append_info": dict(append_info or {}),
-        "saved_at": time.time(),
-    }
-    return to_cpu(state) if copy else state

@@ -4,12 +4,40 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
-from ..._tensor import as_stepwatch_tensor
+from ._params import CallbackParams, Progress
 
-__all__ = ["Callback", "CallbackParams", "RunContext"]
+__all__ = [
+    "ORDER_DEFAULT",
+    "ORDER_RECORD",
+    "ORDER_SAVE",
+    "ORDER_STEER",
+    "Callback",
+    "CallbackParams",
+    "Progress",
+    "RunContext",
+    "StopKind",
+]
+
+# The bands of ``Callback.order``: callbacks run sorted by it, so each band sees what the
+# bands before it did in the same hook.
+ORDER_DEFAULT = 0  # user callbacks and printing monitors
+ORDER_STEER = 50  # callbacks that change training: EarlyStopping, ReduceLROnPlateau
+ORDER_SAVE = 100  # callbacks that save state, after the steering decisions are made
+ORDER_RECORD = 200  # recorders, which record what every other callback did
+
+# Why a run was asked to stop. Saving callbacks tell them apart:
+#   "requested"   - a callback decided training is done (early stopping): save as usual;
+#   "interrupted" - the process was asked to stop from outside (a signal): save, keep backups,
+#                   the run is meant to be resumed;
+#   "anomaly"     - training went wrong (a non-finite loss): do not overwrite good checkpoints.
+StopKind = Literal["requested", "interrupted", "anomaly"]
+STOP_KINDS: tuple[str, ...] = ("requested", "interrupted", "anomaly")
+# A stop of a graver kind wins over a milder one requested earlier.
+_GRAVITY = {kind: i for i, kind in enumerate(STOP_KINDS)}
 
 # The hooks the loops call, and the MindSpore 1.x name each one delegates to by default.
 TRAIN_HOOKS = (
@@ -47,8 +75,11 @@ class Callback:
     in reverse order afterwards, also when an exception escapes (``__exit__`` then sees it).
 
     Class attributes:
-        order: callbacks run sorted by ``order`` (stable, default 0), so a callback that must see
-            the others' results (a recorder) can set a larger value.
+        order: callbacks run sorted by ``order`` (stable, default ``ORDER_DEFAULT`` = 0), so a
+            callback that must see the others' results can set a larger value: the bands are
+            ``ORDER_STEER`` (50), ``ORDER_SAVE`` (100) and ``ORDER_RECORD`` (200).
+        rank_zero_only: when True, the callback takes part only on rank 0 of a distributed run;
+            on other ranks it is left out of the run entirely (not entered, no hook called).
 
     Example:
         >>> class PrintEvery50(Callback):
@@ -58,7 +89,8 @@ class Callback:
         ...             print(cb_params.cur_step_num, cb_params.loss)
     """
 
-    order: int = 0
+    order: int = ORDER_DEFAULT
+    rank_zero_only: bool = False
 
     # -- state saved in checkpoints ---------------------------------------------------------
     @property
@@ -159,208 +191,85 @@ class Callback:
         self.end(run_context)
 
 
-_UNSET: Any = object()
-
-
-class CallbackParams:
-    """The cb_params object returned by ``run_context.original_args()``.
-
-    Fields are attributes (``cb_params.cur_step_num``); dict-style access (``cb_params["x"]``,
-    ``cb_params.get("x")``, ``"x" in cb_params``) works too. A missing field raises
-    ``AttributeError``, so ``getattr(cb_params, "accuracy", None)`` returns ``None``.
-
-    Two fields are computed when read, so that nothing syncs with the device unless a callback
-    asks:
-
-    * ``net_outputs`` - the step's loss as a detached :class:`stepwatch.Tensor` (no host copy);
-    * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
-      at ``on_train_epoch_end`` the epoch's mean training loss;
-    * ``outputs`` - the network's output for the batch, detached;
-    * ``lr`` - the first parameter group's learning rate.
-
-    ``step_time`` is the wall time in seconds from the end of the previous step (or the start of
-    the epoch) to the end of this one's optimizer step: loading the batch, the step-begin hooks
-    and the step itself.
-    """
-
-    # The fields the loops set (declared for type checkers; unset ones raise AttributeError).
-    cur_step_num: int
-    cur_epoch_num: int
-    epoch_num: int
-    batch_num: int
-    initial_epoch: int
-    initial_step: int
-    train_network: Any
-    network: Any
-    eval_network: Any
-    loss_fn: Any
-    optimizer: Any
-    metrics: dict[str, Any]
-    device: Any
-    rank_id: int
-    device_number: int
-    parallel_mode: str
-    list_callback: Any
-    mode: str
-    train_dataset: Any
-    train_dataset_element: Any
-    valid_dataset: Any
-    eval_dataset_element: Any
-    dataset_sink_mode: bool
-    last_save_ckpt_step: int | None
-    latest_ckpt_file: str | None
-    step_time: float
-    train_results: dict[str, Any]
-    eval_results: dict[str, Any]
-    _epoch_start_rng: Any
-    _trained_step: int  # the last step whose optimizer update is done
-
-    def __init__(self, **fields: Any) -> None:
-        self._raw_net_outputs: Any = _UNSET
-        self._raw_outputs: Any = None
-        self._wrapped: tuple[Any, Any] | None = None
-        self._epoch_loss: float | None = None
-        self.__dict__.update(fields)
-
-    # -- computed fields ---------------------------------------------------------------------
-    @property
-    def net_outputs(self) -> Any:
-        raw = self._raw_net_outputs
-        if raw is _UNSET:
-            raise AttributeError("'net_outputs' is not set before the first step has run")
-        wrapped = self._wrapped
-        if wrapped is not None and wrapped[0] is raw:
-            return wrapped[1]
-        value = as_stepwatch_tensor(raw)
-        self._wrapped = (raw, value)
-        return value
-
-    @net_outputs.setter
-    def net_outputs(self, value: Any) -> None:
-        self._raw_net_outputs = value
-
-    @property
-    def loss(self) -> float:
-        if self._epoch_loss is not None:
-            return self._epoch_loss
-        raw = self._raw_net_outputs
-        if raw is _UNSET:
-            raise AttributeError("'loss' is not set before the first step has run")
-        if isinstance(raw, (tuple, list)):
-            raw = raw[0]
-        return float(raw.detach()) if hasattr(raw, "detach") else float(raw)
-
-    @loss.setter
-    def loss(self, value: float | None) -> None:
-        self._epoch_loss = value
-
-    @property
-    def outputs(self) -> Any:
-        """The network's output for the step's batch, detached (None before the first step)."""
-        out = self._raw_outputs
-        return out.detach() if hasattr(out, "detach") else out
-
-    @outputs.setter
-    def outputs(self, value: Any) -> None:
-        self._raw_outputs = value
-
-    @property
-    def lr(self) -> float:
-        """The first parameter group's learning rate, read from the optimizer."""
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None:
-            raise AttributeError("'lr' needs an optimizer; this run has none")
-        return float(optimizer.param_groups[0]["lr"])
-
-    def __getattr__(self, name: str) -> Any:
-        # Reached only for a field that is not set: an AttributeError, so that
-        # getattr(cb_params, "accuracy", None) and hasattr() work (MindSpore raises KeyError).
-        if name.startswith("__"):
-            raise AttributeError(name)
-        raise AttributeError(
-            f"cb_params has no field {name!r} at this point of the run; set fields: "
-            f"{', '.join(sorted(self.keys()))}"
-        )
-
-    # -- dict-style access ---------------------------------------------------------------------
-    def __getitem__(self, key: str) -> Any:
-        try:
-            return getattr(self, key)
-        except AttributeError:
-            raise KeyError(key) from None
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        setattr(self, key, value)
-
-    def __delitem__(self, key: str) -> None:
-        delattr(self, key)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self.keys()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
-
-    def keys(self) -> list[str]:
-        names = [k for k in self.__dict__ if not k.startswith("_")]
-        names.append("outputs")
-        if self._raw_net_outputs is not _UNSET:
-            names += ["net_outputs", "loss"]
-        return names
-
-    def items(self) -> Iterator[tuple[str, Any]]:
-        for key in self.keys():
-            yield key, getattr(self, key)
-
-    def __repr__(self) -> str:
-        return f"CallbackParams({', '.join(sorted(self.keys()))})"
-
-
 class RunContext:
     """What every hook receives: the run's cb_params and a way to stop it.
 
     Args:
         original_args: the cb_params object (or a dict of fields, which is wrapped).
 
+    Attributes:
+        cb_params: the cb_params object; the same as ``original_args()``, read without a call
+            (for step hooks that run on every step).
+        stop_requested: True once a stop was requested (``get_stop_requested()``).
+        stop_reason: the first reason given to :meth:`request_stop`, or None.
+        stop_kind: why the run stops: ``'requested'``, ``'interrupted'`` or ``'anomaly'``
+            (see :meth:`request_stop`); None while no stop is requested.
+
     Raises:
         TypeError: ``original_args`` is neither a dict nor a :class:`CallbackParams`.
     """
 
+
     def __init__(self, original_args: CallbackParams | dict[str, Any]) -> None:
         if isinstance(original_args, CallbackParams):
-            self._original_args = original_args
+            self.cb_params = original_args
         elif isinstance(original_args, dict):
-            self._original_args = CallbackParams(**original_args)
+            self.cb_params = CallbackParams(**original_args)
         else:
             raise TypeError(
                 "RunContext's 'original_args' must be a dict or CallbackParams, but got "
                 f"{original_args!r} with type '{type(original_args).__name__}'."
             )
-        self._stop_requested = False
+        self.stop_requested = False
         self.stop_reason: str | None = None
-        # True when the stop comes from outside (a signal): the run is interrupted, not done.
-        self.interrupted = False
+        self.stop_kind: StopKind | None = None
 
     def original_args(self) -> CallbackParams:
         """Return the cb_params object."""
-        return self._original_args
+        return self.cb_params
 
-    def request_stop(self, reason: str | None = None, interrupted: bool = False) -> None:
+    def request_stop(
+        self, reason: str | None = None, interrupted: bool = False, kind: StopKind | None = None
+    ) -> None:
         """Ask the loop to stop after the current step.
 
         The rest of the epoch is skipped; validation (in ``fit``), ``on_train_epoch_end`` and
         ``on_train_end`` still run. ``reason`` is logged once when the run stops.
-        ``interrupted=True`` says the run was cut short from outside (a signal) and should be
-        resumed later: backups are kept and the run store marks it ``interrupted``.
+
+        Args:
+            reason: why, in words (logged, and recorded by ``RunRecorder``).
+            interrupted: shorthand for ``kind='interrupted'``.
+            kind: ``'requested'`` (default: training is done, e.g. early stopping),
+                ``'interrupted'`` (cut short from outside, e.g. a signal: backups are kept and
+                the run store marks the run ``interrupted``) or ``'anomaly'`` (training went
+                wrong, e.g. a non-finite loss: saving callbacks do not save the weights).
+
+        Raises:
+            ValueError: an unknown ``kind``.
         """
-        self._stop_requested = True
-        self.interrupted = self.interrupted or interrupted
+        if kind is None:
+            kind = "interrupted" if interrupted else "requested"
+        elif kind not in _GRAVITY:
+            raise ValueError(f"'kind' must be one of {STOP_KINDS}, but got {kind!r}.")
+        self.stop_requested = True
+        if self.stop_kind is None or _GRAVITY[kind] > _GRAVITY[self.stop_kind]:
+            self.stop_kind = kind
         if reason is not None and self.stop_reason is None:
             self.stop_reason = reason
 
     def get_stop_requested(self) -> bool:
         """Return True once a stop was requested."""
-        return self._stop_requested
+        return self.stop_requested
+
+    @property
+    def interrupted(self) -> bool:
+        """True when the stop came from outside (a signal): the run should be resumed later."""
+        return self.stop_kind == "interrupted"
+
+
+def is_stateful(callback: Any) -> bool:
+    """True when ``callback`` overrides ``state_dict`` (its state goes into checkpoints)."""
+    return isinstance(callback, Callback) and type(callback).state_dict is not Callback.state_dict
 
 
 def _overrides(callback: Callback, hook: str) -> bool:
@@ -388,6 +297,28 @@ def _describe_bad_callback(index: int | None, item: Any) -> str:
     )
 
 
+def _check_unique(callbacks: Sequence[Callback]) -> None:
+    seen_ids: set[int] = set()
+    keys: dict[str, Callback] = {}
+    for cb in callbacks:
+        if id(cb) in seen_ids:
+            raise ValueError(
+                f"the same {type(cb).__name__} instance is passed twice in 'callbacks'; pass it "
+                "once (or two separate instances)."
+            )
+        seen_ids.add(id(cb))
+        if not is_stateful(cb):
+            continue
+        key = cb.state_key
+        if key in keys:
+            raise ValueError(
+                f"two callbacks share the state_key {key!r} ({type(keys[key]).__name__} and "
+                f"{type(cb).__name__}); their saved states would overwrite each other. Give one "
+                "of them different arguments or override its state_key."
+            )
+        keys[key] = cb
+
+
 def normalize_callbacks(callbacks: Any) -> list[Callback]:
     """Turn the ``callbacks`` argument into a list, with MindSpore's rules and clearer errors."""
     if callbacks is None:
@@ -406,11 +337,23 @@ class CallbackList:
     """The callbacks of one run, sorted once, with a per-hook table of those that override it.
 
     Calling a hook costs nothing for callbacks that do not implement it. An exception raised by a
-    callback keeps its type and gains a note naming the callback and the hook.
+    callback keeps its type and gains a note naming the callback and the hook. Callbacks with
+    ``rank_zero_only`` are left out on ranks other than 0, so those ranks pay nothing for them.
+    The list also gathers and restores the callbacks' checkpoint state.
+
+    Args:
+        callbacks: the run's callbacks.
+        rank: this process's rank in a distributed run (0 otherwise).
+
+    Raises:
+        ValueError: the same callback instance appears twice, or two stateful callbacks share
+            a ``state_key``.
     """
 
-    def __init__(self, callbacks: Sequence[Callback]) -> None:
-        self.callbacks: list[Callback] = sorted(callbacks, key=lambda c: getattr(c, "order", 0))
+    def __init__(self, callbacks: Sequence[Callback], rank: int = 0) -> None:
+        _check_unique(callbacks)
+        kept = [cb for cb in callbacks if rank == 0 or not getattr(cb, "rank_zero_only", False)]
+        self.callbacks: list[Callback] = sorted(kept, key=lambda c: getattr(c, "order", 0))
         self.table: dict[str, list[tuple[Callback, Callable[[RunContext], Any]]]] = {
             hook: [(cb, getattr(cb, hook)) for cb in self.callbacks if _overrides(cb, hook)]
             for hook in HOOKS
@@ -427,6 +370,32 @@ class CallbackList:
                 code = getattr(getattr(fn, "__func__", fn), "__code__", None)
                 if code is not None:
                     self._codes.setdefault(code, (cb, hook))
+
+    # -- checkpoint state ------------------------------------------------------------------------
+    def state_dicts(self) -> dict[str, dict[str, Any]]:
+        """``{state_key: state_dict()}`` of every stateful callback of the run."""
+        return {cb.state_key: cb.state_dict() for cb in self.callbacks if is_stateful(cb)}
+
+    def load_state_dicts(self, saved: Mapping[str, Any], source: str = "the checkpoint") -> None:
+        """Give each stateful callback its saved state, matched by ``state_key``.
+
+        State saved for a callback that is not in this run is ignored, with a warning naming
+        it (a resumed run without its EarlyStopping would otherwise silently lose patience).
+        """
+        used = set()
+        for cb in self.callbacks:
+            if is_stateful(cb) and cb.state_key in saved:
+                cb.load_state_dict(saved[cb.state_key])
+                used.add(cb.state_key)
+        left = sorted(set(saved) - used)
+        if left:
+            warnings.warn(
+                f"{source} holds state for callbacks that are not in this run: {left}; that "
+                "state is not restored. Pass the same callbacks (with the same arguments) to "
+                "resume them.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def __len__(self) -> int:
         return len(self.callbacks)

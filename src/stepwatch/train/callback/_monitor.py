@@ -8,63 +8,41 @@ import warnings
 from typing import Any
 
 from ..._validation import check_choice, check_number
+from ...monitor import values as names
 from ._callback import Callback, CallbackParams
 
 __all__ = ["MonitorCallback", "epoch_values"]
 
-# Names for which smaller is better when mode='auto'.
-_LOSS_LIKE = ("loss", "mae", "mse", "error", "perplexity", "ppl", "rmse")
-
-
-def _number(value: Any) -> float | None:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return None
-    return number
-
 
 def epoch_values(cb_params: CallbackParams) -> dict[str, float]:
-    """Every value a monitor can name at the end of an epoch.
-
-    ``loss`` and the training metrics (``accuracy``, also as ``train_accuracy``), and after
-    validation in ``fit`` its results under MindSpore's ``eval_results`` keys (``accuracy``,
-    ``eval_loss``) and as ``eval_<metric>``. A bare metric name means the validation value when
-    there is one, as in MindSpore.
-    """
-    values: dict[str, float] = {}
-    for name, value in (getattr(cb_params, "train_results", None) or {}).items():
-        number = _number(value)
-        if number is None:
-            continue
-        values[name] = number
-        if name != "loss":
-            values[f"train_{name}"] = number
-    for name, value in (getattr(cb_params, "eval_results", None) or {}).items():
-        number = _number(value)
-        if number is None:
-            continue
-        if name == "eval_loss":
-            values[name] = number
-            continue
-        values[f"eval_{name}"] = number
-        if name != "loss":
-            values[name] = number
-    return values
+    """Every number a monitor can name at the end of an epoch (see
+    :mod:`stepwatch.monitor.values`): ``loss``, ``train_<metric>``, ``eval_loss``,
+    ``eval_<metric>``, and the bare ``<metric>`` (the validation value in a ``fit`` that
+    validates, else the training value)."""
+    return names.numeric(
+        names.epoch_values(
+            getattr(cb_params, "train_results", None),
+            getattr(cb_params, "eval_results", None),
+            validates=getattr(cb_params, "valid_dataset", None) is not None,
+        )
+    )
 
 
 class MonitorCallback(Callback):
     """A callback that watches one named value and knows when it improved.
 
     Args:
-        monitor: the value's name (see :func:`epoch_values`): ``'loss'``, ``'eval_loss'``,
-            ``'accuracy'``, ``'eval_accuracy'``, ``'train_accuracy'``, ...
-        mode: ``'min'``, ``'max'``, or ``'auto'`` (min for loss-like names, else max).
+        monitor: the value's name (see :mod:`stepwatch.monitor.values`): ``'loss'``,
+            ``'eval_loss'``, ``'accuracy'``, ``'eval_accuracy'``, ``'train_accuracy'``, ...
+        mode: ``'min'``, ``'max'``, or ``'auto'``: the direction the metric declares
+            (``Metric.direction``), else the name rule (min for loss/error-like names, max
+            otherwise).
         min_delta: the smallest change that counts as an improvement (>= 0).
 
     Raises:
         TypeError: ``monitor`` not a str, ``min_delta`` not a number.
-        ValueError: empty ``monitor``, unknown ``mode``, negative ``min_delta``.
+        ValueError: empty ``monitor``, unknown ``mode``, negative ``min_delta``, or
+            ``mode='auto'`` for a value without a better direction (``'lr'``).
     """
 
     def __init__(self, monitor: str, mode: str = "auto", min_delta: float = 0.0) -> None:
@@ -78,13 +56,21 @@ class MonitorCallback(Callback):
         self.monitor = monitor
         self.mode = check_choice("mode", mode, ("auto", "min", "max"))
         self.min_delta = abs(check_number("min_delta", min_delta) or 0.0)
-        if mode == "auto":
-            lowered = monitor.lower()
-            self._minimize = any(word in lowered for word in _LOSS_LIKE)
-        else:
-            self._minimize = mode == "min"
+        self._minimize = self._resolve_minimize(None)
         self.best: float = math.inf if self._minimize else -math.inf
         self._warned_missing = False
+
+    def _resolve_minimize(self, metrics: Any) -> bool:
+        if self.mode != "auto":
+            return self.mode == "min"
+        declared = names.metric_directions(metrics) if metrics else None
+        direction = names.direction(self.monitor, declared)
+        if direction is None:
+            raise ValueError(
+                f"{type(self).__name__}: {self.monitor!r} has no better direction; pass "
+                "mode='min' or mode='max'."
+            )
+        return direction == "min"
 
     @property
     def state_key(self) -> str:
@@ -113,16 +99,18 @@ class MonitorCallback(Callback):
         expects_eval = getattr(cb_params, "valid_dataset", None) is not None
         if value is None and not self._warned_missing and (validated or not expects_eval):
             self._warned_missing = True
-            available = ", ".join(sorted(values)) or "none"
             warnings.warn(
                 f"{type(self).__name__}: monitor {self.monitor!r} is not available at the end "
-                f"of epoch {cb_params.cur_epoch_num}; available: {available}. It is skipped "
-                "on epochs without it.",
+                f"of epoch {cb_params.cur_epoch_num}; available: {names.available(values)}. "
+                "It is skipped on epochs without it.",
                 UserWarning,
                 stacklevel=2,
             )
         return value
 
-    def _reset_monitor(self) -> None:
+    def _reset_monitor(self, cb_params: CallbackParams | None = None) -> None:
+        """Start watching afresh; with cb_params, take the direction the metrics declare."""
+        if cb_params is not None:
+            self._minimize = self._resolve_minimize(getattr(cb_params, "metrics", None))
         self.best = math.inf if self._minimize else -math.inf
         self._warned_missing = False

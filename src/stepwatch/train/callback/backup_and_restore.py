@@ -7,8 +7,9 @@ from pathlib import Path
 
 from ..._validation import check_bool, check_int
 from ...monitor.schedule import Every
-from ..serialization import build_checkpoint, write_atomic
-from ._callback import Callback, RunContext
+from ..resume import build_checkpoint
+from ..serialization import write_atomic
+from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["BackupAndRestore"]
 
@@ -31,7 +32,7 @@ class BackupAndRestore(Callback):
         TypeError / ValueError: for arguments of the wrong type or value.
     """
 
-    order = 100
+    order = ORDER_SAVE
 
     def __init__(
         self,
@@ -39,10 +40,13 @@ class BackupAndRestore(Callback):
         save_freq: str | int = "epoch",
         delete_checkpoint: bool = True,
     ) -> None:
-        if not isinstance(backup_dir, (str, os.PathLike)) or not str(backup_dir):
+        if not isinstance(backup_dir, (str, os.PathLike)):
             raise TypeError(
-                f"'backup_dir' must be a non-empty str or path, but got {backup_dir!r}."
+                f"'backup_dir' must be a str or path, but got {backup_dir!r} with type "
+                f"'{type(backup_dir).__name__}'."
             )
+        if not str(backup_dir):
+            raise ValueError("'backup_dir' must name a folder, but got an empty path.")
         if save_freq != "epoch":
             if isinstance(save_freq, str):
                 raise ValueError(f"'save_freq' must be 'epoch' or an int >= 1, got {save_freq!r}.")
@@ -67,9 +71,8 @@ class BackupAndRestore(Callback):
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.save_freq == "epoch":
             return
-        p = run_context.original_args()
-        last_of_epoch = (p.cur_step_num - 1) % p.batch_num + 1 == p.batch_num
-        if self._schedule.due(p.cur_step_num) and not last_of_epoch:
+        p = run_context.cb_params
+        if self._schedule.due(p.cur_step_num) and not p.last_step_of_epoch:
             self._backup(run_context, epoch_complete=False)
 
     def on_train_begin(self, run_context: RunContext) -> None:

@@ -15,8 +15,9 @@ from torch import nn
 
 from ..._validation import check_bool, check_int, check_number
 from ...monitor.schedule import Every
-from ..serialization import build_checkpoint, remove_stale_temporaries, write_atomic
-from ._callback import CallbackParams, RunContext
+from ..resume import build_checkpoint
+from ..serialization import remove_stale_temporaries, write_atomic
+from ._callback import ORDER_SAVE, CallbackParams, RunContext
 from ._monitor import MonitorCallback
 
 __all__ = ["CheckpointConfig", "ModelCheckpoint"]
@@ -209,7 +210,7 @@ class ModelCheckpoint(MonitorCallback):
         ValueError: ``prefix`` contains a path separator or is empty.
     """
 
-    order = 100  # after the callbacks whose state it saves
+    order = ORDER_SAVE  # after the callbacks whose state it saves
 
     def __init__(
         self,
@@ -258,7 +259,7 @@ class ModelCheckpoint(MonitorCallback):
         remove_stale_temporaries(self.directory, self._prefix_requested)
         self.prefix = self._free_prefix()
         self._saved = []
-        self._reset_monitor()
+        self._reset_monitor(run_context.cb_params)
         self._last_save_step = run_context.original_args().cur_step_num
         self._schedule.reset(self._last_save_step)
         self._pending_epoch_save = False
@@ -273,7 +274,7 @@ class ModelCheckpoint(MonitorCallback):
         step = cb_params.cur_step_num
         if not self._schedule.due(step):
             return
-        if (step - 1) % cb_params.batch_num + 1 == cb_params.batch_num:
+        if cb_params.last_step_of_epoch:
             self._pending_epoch_save = True  # the epoch end saves it, with the epoch's state
             return
         self._save(cb_params, epoch_complete=False)
@@ -322,10 +323,6 @@ class ModelCheckpoint(MonitorCallback):
             prefix = f"{self._prefix_requested}_{n}"
         return prefix
 
-    @staticmethod
-    def _step_in_epoch(cb_params: CallbackParams) -> int:
-        return (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
-
     def _append_info(self, cb_params: CallbackParams) -> dict[str, Any]:
         info: dict[str, Any] = {}
         for item in self.config.append_info:
@@ -341,7 +338,7 @@ class ModelCheckpoint(MonitorCallback):
         self._pending_epoch_save = False
         self._last_save_step = cb_params.cur_step_num
         self._schedule.reset(cb_params.cur_step_num)
-        name = f"{self.prefix}-{cb_params.cur_epoch_num}_{self._step_in_epoch(cb_params)}.pt"
+        name = f"{self.prefix}-{cb_params.cur_epoch_num}_{cb_params.step_in_epoch}.pt"
         path = self.directory / name
         state = build_checkpoint(
             cb_params,

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..._validation import check_bool, check_int, check_number
 from ..serialization import to_cpu
-from ._callback import RunContext
+from ._callback import ORDER_STEER, RunContext
 from ._monitor import MonitorCallback
 
 __all__ = ["EarlyStopping"]
@@ -38,7 +38,7 @@ class EarlyStopping(MonitorCallback):
         TypeError / ValueError: for arguments of the wrong type or value.
     """
 
-    order = 50
+    order = ORDER_STEER
 
     def __init__(
         self,
@@ -57,8 +57,8 @@ class EarlyStopping(MonitorCallback):
         self.restore_best_weights = check_bool("restore_best_weights", restore_best_weights)
         self._reset()
 
-    def _reset(self) -> None:
-        self._reset_monitor()
+    def _reset(self, cb_params: Any = None) -> None:
+        self._reset_monitor(cb_params)
         if self.baseline is not None:
             self.best = self.baseline
         self.wait = 0
@@ -67,7 +67,7 @@ class EarlyStopping(MonitorCallback):
         self.best_weights: dict[str, Any] | None = None
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        self._reset()
+        self._reset(run_context.cb_params)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()

@@ -63,8 +63,8 @@ class History(Callback):
             self.on_train_step_end = self._record_step  # type: ignore[method-assign]
 
     def _record_step(self, run_context: RunContext) -> None:
-        p = run_context._original_args
-        self._pending.append(p._raw_net_outputs)
+        p = run_context.cb_params
+        self._pending.append(p.loss_tensor)
         self._pending_steps.append(p.cur_step_num)
         if len(self._pending) >= self._flush_every:
             self._flush_steps()

@@ -42,9 +42,11 @@ class LossMonitor(Callback):
         check_int("per_print_times", per_print_times, minimum=0)
         self._per_print_times = per_print_times
         self._schedule = Every(steps=per_print_times)
+        self._printing = True
 
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
+        self._printing = cb_params.rank_id == 0
         self._schedule.reset(0)
         last_step = cb_params.initial_step + cb_params.epoch_num * cb_params.batch_num
         if self._per_print_times > last_step:
@@ -56,15 +58,15 @@ class LossMonitor(Callback):
             )
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        cb_params = run_context._original_args
+        cb_params = run_context.cb_params
         step = cb_params.cur_step_num
         if step < self._schedule.next_step or not self._schedule.due(step):
             return
         loss = cb_params.loss
-        step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
+        step_in_epoch = cb_params.step_in_epoch
         if not math.isfinite(loss):
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
-        if cb_params.rank_id == 0:
+        if self._printing:
             print(
                 f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}",
                 flush=True,
@@ -74,10 +76,9 @@ class LossMonitor(Callback):
         cb_params = run_context.original_args()
         epoch_loss = cb_params.train_results.get("loss")
         if epoch_loss is not None and not math.isfinite(epoch_loss):
-            step_in_epoch = (cb_params.cur_step_num - 1) % cb_params.batch_num + 1
-            raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
+            raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)
-        if eval_results and cb_params.rank_id == 0:
+        if eval_results and self._printing:
             print(
                 f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}", flush=True
             )

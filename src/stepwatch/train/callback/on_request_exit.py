@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from ..._validation import check_bool
-from ..serialization import build_checkpoint, write_atomic
-from ._callback import Callback, RunContext
+from ..resume import build_checkpoint
+from ..serialization import write_atomic
+from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["OnRequestExit"]
 
@@ -39,7 +40,7 @@ class OnRequestExit(Callback):
         TypeError / ValueError: for arguments of the wrong type or value.
     """
 
-    order = 100
+    order = ORDER_SAVE
 
     def __init__(
         self,
@@ -49,7 +50,12 @@ class OnRequestExit(Callback):
         sig: int | Iterable[int] = (signal.SIGTERM, signal.SIGINT),
     ) -> None:
         self.save_ckpt = check_bool("save_ckpt", save_ckpt)
-        if not isinstance(file_name, str) or not file_name or "/" in file_name:
+        if not isinstance(file_name, str):
+            raise TypeError(
+                f"'file_name' must be a str (a file name without '/'), but got {file_name!r} with "
+                f"type '{type(file_name).__name__}'."
+            )
+        if not file_name or "/" in file_name:
             raise ValueError(f"'file_name' must be a file name without '/', but got {file_name!r}.")
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -109,8 +115,7 @@ class OnRequestExit(Callback):
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.received is None or run_context.get_stop_requested():
             return
-        p = run_context._original_args
-        if (p.cur_step_num - 1) % p.batch_num + 1 == p.batch_num:
+        if run_context.cb_params.last_step_of_epoch:
             # The epoch's last step: stop, and save at the epoch end with the epoch's state.
             run_context.request_stop(f"received {self.received.name}", interrupted=True)
             return

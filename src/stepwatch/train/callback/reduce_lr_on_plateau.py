@@ -6,7 +6,7 @@ import logging
 from typing import Any
 
 from ..._validation import check_bool, check_int, check_number
-from ._callback import RunContext
+from ._callback import ORDER_STEER, RunContext
 from ._monitor import MonitorCallback
 
 __all__ = ["ReduceLROnPlateau"]
@@ -32,7 +32,7 @@ class ReduceLROnPlateau(MonitorCallback):
         TypeError / ValueError: for arguments of the wrong type or value.
     """
 
-    order = 50
+    order = ORDER_STEER
 
     def __init__(
         self,
@@ -62,13 +62,13 @@ class ReduceLROnPlateau(MonitorCallback):
             self.min_lr = check_number("min_lr", min_lr, minimum=0.0) or 0.0
         self._reset()
 
-    def _reset(self) -> None:
-        self._reset_monitor()
+    def _reset(self, cb_params: Any = None) -> None:
+        self._reset_monitor(cb_params)
         self.wait = 0
         self.cooldown_counter = 0
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        self._reset()
+        self._reset(run_context.cb_params)
         optimizer = run_context.original_args().optimizer
         if isinstance(self.min_lr, list) and len(self.min_lr) != len(optimizer.param_groups):
             raise ValueError(

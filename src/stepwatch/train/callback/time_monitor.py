@@ -28,6 +28,8 @@ class TimeMonitor(Callback):
         ValueError: ``data_size`` < 1.
     """
 
+    rank_zero_only = True
+
     def __init__(self, data_size: int | None = None, data_time: bool = False) -> None:
         self.data_size = check_int("data_size", data_size, minimum=1, allow_none=True)
         self.data_time = check_bool("data_time", data_time)
@@ -59,8 +61,7 @@ class TimeMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         seconds = time.perf_counter() - self._train_start - self._eval_seconds
-        if cb_params.rank_id == 0:
-            self._print("Train", seconds, self.data_size or cb_params.batch_num)
+        self._print("Train", seconds, self.data_size or cb_params.batch_num)
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         self._eval_outer_start = time.perf_counter()
@@ -70,9 +71,8 @@ class TimeMonitor(Callback):
 
     def on_eval_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
-        if cb_params.rank_id == 0:
-            seconds = time.perf_counter() - self._eval_start
-            self._print("Eval", seconds, cb_params.batch_num, data=False)
+        seconds = time.perf_counter() - self._eval_start
+        self._print("Eval", seconds, cb_params.batch_num, data=False)
 
     def on_eval_end(self, run_context: RunContext) -> None:
         # Everything between the validation's begin and end is left out of the training time.

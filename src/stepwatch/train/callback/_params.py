@@ -1,0 +1,237 @@
+"""cb_params: the fields a run shows its callbacks, and where training is (``Progress``)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..._tensor import as_stepwatch_tensor
+
+__all__ = ["CallbackParams", "Progress"]
+
+
+@dataclass
+class Progress:
+    """Where training is, as checkpoints need it (``cb_params.progress``).
+
+    Attributes:
+        trained_step: the last global step whose optimizer update is done. A step that failed
+            half-way is not counted, so a checkpoint written after a failure resumes at it.
+        epoch_start_rng: every random generator's state at the start of the current epoch
+            (a mid-epoch resume replays the epoch's shuffle from it); None before training.
+    """
+
+    trained_step: int = 0
+    epoch_start_rng: dict[str, Any] | None = None
+
+
+class CallbackParams:
+    """The cb_params object returned by ``run_context.original_args()`` (or the faster
+    ``run_context.cb_params``).
+
+    Fields are attributes (``cb_params.cur_step_num``); dict-style access (``cb_params["x"]``,
+    ``cb_params.get("x")``, ``"x" in cb_params``) works too. A missing field raises
+    ``AttributeError``, so ``getattr(cb_params, "accuracy", None)`` returns ``None``.
+
+    Fields computed when read, so that nothing syncs with the device unless a callback asks:
+
+    * ``net_outputs`` - the step's loss as a detached :class:`stepwatch.Tensor` (no host copy);
+      during evaluation without a ``loss_fn``, the eval network's output;
+    * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
+      at ``on_train_epoch_end`` the epoch's mean training loss, and at the end of an
+      evaluation pass that pass's mean loss;
+    * ``lr`` - the first parameter group's learning rate;
+    * ``step_in_epoch`` - the step's number within its epoch (1-based; 0 before the first);
+    * ``last_step_of_epoch`` - True at the epoch's last step.
+
+    ``outputs`` is the network's output for the step's batch, detached (None before the first
+    step). For callbacks that must stay cheap on every step, ``loss_tensor`` is the step's loss as
+    the loop holds it: a detached ``torch.Tensor`` on the training device, no wrapping, no
+    copy, no sync (None before the first step, and in an evaluation without a loss).
+
+    ``step_time`` is the wall time in seconds from the end of the previous step (or the start of
+    the epoch) to the end of this one's optimizer step: loading the batch, the step-begin hooks
+    and the step itself.
+    """
+
+    # The fields the loops set (declared for type checkers; unset ones raise AttributeError).
+    cur_step_num: int
+    cur_epoch_num: int
+    epoch_num: int
+    batch_num: int
+    initial_epoch: int
+    initial_step: int
+    train_network: Any
+    network: Any
+    eval_network: Any
+    loss_fn: Any
+    optimizer: Any
+    metrics: dict[str, Any]
+    device: Any
+    rank_id: int
+    device_number: int
+    parallel_mode: str
+    list_callback: Any
+    mode: str
+    train_dataset: Any
+    train_dataset_element: Any
+    valid_dataset: Any
+    eval_dataset_element: Any
+    dataset_sink_mode: bool
+    last_save_ckpt_step: int | None
+    latest_ckpt_file: str | None
+    step_time: float
+    train_results: dict[str, Any]
+    eval_results: dict[str, Any]
+    loss_tensor: Any
+    outputs: Any
+    progress: Progress
+
+    def __init__(self, **fields: Any) -> None:
+        self.loss_tensor = None
+        self.outputs: Any = None
+        self._wrapped: tuple[Any, Any] | None = None
+        self._epoch_loss: float | None = None
+        self.progress = Progress()
+        self.__dict__.update(fields)
+
+    # -- computed fields ---------------------------------------------------------------------
+    @property
+    def net_outputs(self) -> Any:
+        raw = self.loss_tensor
+        if raw is None:
+            raw = self.outputs
+            if raw is None:
+                raise AttributeError("'net_outputs' is not set before the first step has run")
+        wrapped = self._wrapped
+        if wrapped is not None and wrapped[0] is raw:
+            return wrapped[1]
+        value = as_stepwatch_tensor(raw)
+        self._wrapped = (raw, value)
+        return value
+
+    @net_outputs.setter
+    def net_outputs(self, value: Any) -> None:
+        self.loss_tensor = value
+
+    @property
+    def loss(self) -> float:
+        if self._epoch_loss is not None:
+            return self._epoch_loss
+        raw = self.loss_tensor
+        if raw is None:
+            raise AttributeError(
+                "'loss' is not set before the first step has run"
+                if self.outputs is None
+                else "'loss' is not available: this evaluation has no loss_fn"
+            )
+        if isinstance(raw, (tuple, list)):
+            raw = raw[0]
+        return float(raw.detach()) if hasattr(raw, "detach") else float(raw)
+
+    @loss.setter
+    def loss(self, value: float | None) -> None:
+        self._epoch_loss = value
+
+    @property
+    def lr(self) -> float:
+        """The first parameter group's learning rate, read from the optimizer."""
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError("'lr' needs an optimizer; this run has none")
+        return float(optimizer.param_groups[0]["lr"])
+
+    @property
+    def step_in_epoch(self) -> int:
+        """The current step's number within its epoch, 1-based (0 before the first step)."""
+        step = self.cur_step_num
+        return (step - 1) % self.batch_num + 1 if step > 0 else 0
+
+    @property
+    def last_step_of_epoch(self) -> bool:
+        """True when the current step is its epoch's last."""
+        step = self.cur_step_num
+        return step > 0 and step % self.batch_num == 0
+
+    @contextlib.contextmanager
+    def evaluating(self, batch_num: int, hide: Iterable[str] = ()) -> Iterator[CallbackParams]:
+        """Switch these cb_params to an evaluation pass, and back to training afterwards.
+
+        Inside, ``mode`` is ``'eval'``, ``cur_step_num`` counts the evaluation's steps from 0,
+        ``batch_num`` is the evaluation's, and the training step's loss and outputs are out of
+        sight; the names in ``hide`` (the training metric attributes) are removed, so a hook
+        never reads a training value as if it were the evaluation's. On leaving, everything
+        is as it was, and whatever the evaluation set under a hidden name is removed.
+        ``eval_results`` and ``valid_dataset`` stay (MindSpore keeps them until the epoch end).
+        """
+        fields = self.__dict__
+        saved: dict[str, Any] = {
+            k: fields[k]
+            for k in ("mode", "cur_step_num", "batch_num", "loss_tensor", "outputs")
+            if k in fields
+        }
+        saved_loss = self._epoch_loss
+        names = list(hide)
+        hidden = {k: fields.pop(k) for k in names if k in fields}
+        self.mode = "eval"
+        self.cur_step_num = 0
+        self.batch_num = batch_num
+        self.loss_tensor = None
+        self.outputs = None
+        self._epoch_loss = None
+        try:
+            yield self
+        finally:
+            for k in names:
+                fields.pop(k, None)
+            fields.update(saved)
+            fields.update(hidden)
+            self._epoch_loss = saved_loss
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for a field that is not set: an AttributeError, so that
+        # getattr(cb_params, "accuracy", None) and hasattr() work (MindSpore raises KeyError).
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(
+            f"cb_params has no field {name!r} at this point of the run; set fields: "
+            f"{', '.join(sorted(self.keys()))}"
+        )
+
+    # -- dict-style access ---------------------------------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return getattr(self, key)
+        except AttributeError:
+            raise KeyError(key) from None
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        setattr(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        delattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and key in self.keys()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+    def keys(self) -> list[str]:
+        names = [k for k in self.__dict__ if not k.startswith("_")]
+        if self.loss_tensor is not None:
+            names += ["net_outputs", "loss"]
+        elif self.outputs is not None:
+            names.append("net_outputs")
+        if self._epoch_loss is not None and "loss" not in names:
+            names.append("loss")
+        return names
+
+    def items(self) -> Iterator[tuple[str, Any]]:
+        for key in self.keys():
+            yield key, getattr(self, key)
+
+    def __repr__(self) -> str:
+        return f"CallbackParams({', '.join(sorted(self.keys()))})"
