@@ -176,16 +176,27 @@ def test_history_records_plain_floats_per_epoch_and_resets() -> None:
     model.fit(3, make_batches(3), make_batches(2), valid_frequency=2, callbacks=[history])
     assert history.epoch == {"epoch": [1, 2, 3]}
     h = history.history
-    assert set(h) == {"net_output", "loss", "train_accuracy", "accuracy", "eval_loss"}
+    assert set(h) == {
+        "net_output",
+        "loss",
+        "train_accuracy",
+        "accuracy",
+        "eval_accuracy",
+        "eval_loss",
+    }
     assert all(len(v) == 3 for v in h.values())
     assert all(type(v) is float for values in h.values() for v in values)
+    # In a fit that validates, the bare name is the validation value, never a training one.
     assert math.isnan(h["accuracy"][0]) and not math.isnan(h["accuracy"][1])
+    assert h["accuracy"][1] == h["eval_accuracy"][1] and math.isnan(h["accuracy"][2])
     model.train(1, make_batches(1), callbacks=[history])
     assert history.epoch == {"epoch": [1]} and set(history.history) == {
         "net_output",
         "loss",
         "train_accuracy",
+        "accuracy",
     }
+    assert history.history["accuracy"] == history.history["train_accuracy"]
 
 
 def test_history_step_ring_keeps_the_last_step_losses() -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,6 +162,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
     progress = cb_params.progress
     progress.trained_step = cb_params.cur_step_num
     metric_names = list(parts.metrics)
+    warned_nonfinite = False
     with cb_list.entered():
         cb_list.call("on_train_begin", run_context)
         if resume is not None:
@@ -190,6 +193,23 @@ def run(parts: Parts, plan: RunPlan) -> None:
             if valid_dataset is not None and should_eval(epoch_index + 1, plan.valid_frequency):
                 eval_in_fit(parts, valid_dataset, cb_list, cb_params, run_context, metric_names)
             cb_list.call("on_train_epoch_end", run_context)
+            epoch_loss = train_results.get("loss")
+            # Nobody acted on a diverged loss (a monitor would have raised or stopped the run):
+            # say so once. The epoch mean was read anyway, so this costs no sync.
+            if (
+                epoch_loss is not None
+                and not math.isfinite(epoch_loss)
+                and not warned_nonfinite
+                and run_context.stop_kind != "anomaly"
+            ):
+                warned_nonfinite = True
+                warnings.warn(
+                    f"the training loss of epoch {epoch_index + 1} is {epoch_loss}: training has "
+                    "diverged and goes on. Lower the learning rate, or stop such runs with "
+                    "LossMonitor (it raises on a NaN/Inf loss).",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             for name in shown:
                 cb_params.__dict__.pop(name, None)
             cb_params.__dict__.pop("eval_results", None)

@@ -139,9 +139,7 @@ def find_resume_point(
     if not skip or state.get("epoch_rng") is None:
         set_rng_state(state["rng"])
         skip = 0 if state.get("epoch_rng") is None else skip
-    logger.info(
-        "resuming from %s at epoch %d, step %d", resume_from, state["epoch"], state["step"]
-    )
+    logger.info("resuming from %s at epoch %d, step %d", resume_from, state["epoch"], state["step"])
     return ResumePoint(str(resume_from), state, initial_epoch, skip, int(state["step"]))
 
 

@@ -35,6 +35,16 @@ def to_cpu(obj: Any) -> Any:
     return obj
 
 
+def weights_finite(module: Any) -> bool:
+    """True when every floating-point tensor of ``module``'s state is finite (one host read)."""
+    checks = [
+        torch.isfinite(t).all()
+        for t in module.state_dict().values()
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
+    return bool(torch.stack(checks).all()) if checks else True
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

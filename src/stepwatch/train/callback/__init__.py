@@ -1,6 +1,17 @@
 """MindSpore-style callbacks: ``from stepwatch.train.callback import Callback, LossMonitor``."""
 
-from ._callback import Callback, CallbackList, CallbackParams, RunContext
+from ._callback import (
+    ORDER_DEFAULT,
+    ORDER_RECORD,
+    ORDER_SAVE,
+    ORDER_STEER,
+    Callback,
+    CallbackList,
+    CallbackParams,
+    Progress,
+    RunContext,
+    StopKind,
+)
 from ._monitor import MonitorCallback
 from .backup_and_restore import BackupAndRestore
 from .checkpoint import CheckpointConfig, ModelCheckpoint
@@ -13,6 +24,10 @@ from .reduce_lr_on_plateau import ReduceLROnPlateau
 from .time_monitor import TimeMonitor
 
 __all__ = [
+    "ORDER_DEFAULT",
+    "ORDER_RECORD",
+    "ORDER_SAVE",
+    "ORDER_STEER",
     "BackupAndRestore",
     "Callback",
     "CallbackList",
@@ -25,7 +40,9 @@ __all__ = [
     "ModelCheckpoint",
     "MonitorCallback",
     "OnRequestExit",
+    "Progress",
     "ReduceLROnPlateau",
     "RunContext",
+    "StopKind",
     "TimeMonitor",
 ]

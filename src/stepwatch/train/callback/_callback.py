@@ -209,7 +209,6 @@ class RunContext:
         TypeError: ``original_args`` is neither a dict nor a :class:`CallbackParams`.
     """
 
-
     def __init__(self, original_args: CallbackParams | dict[str, Any]) -> None:
         if isinstance(original_args, CallbackParams):
             self.cb_params = original_args

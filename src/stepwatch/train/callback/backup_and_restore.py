@@ -8,7 +8,7 @@ from pathlib import Path
 from ..._validation import check_bool, check_int
 from ...monitor.schedule import Every
 from ..resume import build_checkpoint
-from ..serialization import write_atomic
+from ..serialization import weights_finite, write_atomic
 from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["BackupAndRestore"]
@@ -65,6 +65,8 @@ class BackupAndRestore(Callback):
         return self.backup_path if self.backup_path.is_file() else None
 
     def _backup(self, run_context: RunContext, epoch_complete: bool) -> None:
+        if run_context.stop_kind == "anomaly" or not weights_finite(run_context.cb_params.network):
+            return  # keep the last good backup rather than one of broken weights
         state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
         write_atomic(state, self.backup_path)
 
@@ -82,8 +84,9 @@ class BackupAndRestore(Callback):
         self._backup(run_context, epoch_complete=True)
 
     def on_train_end(self, run_context: RunContext) -> None:
-        # A run stopped from outside (OnRequestExit) is to be resumed: keep its backup.
-        if self.delete_checkpoint and not run_context.interrupted:
+        # A run stopped from outside (OnRequestExit) is to be resumed, and one stopped by an
+        # anomaly may be resumed from its last good state: keep the backup for both.
+        if self.delete_checkpoint and run_context.stop_kind in (None, "requested"):
             try:
                 self.backup_path.unlink()
             except FileNotFoundError:

@@ -16,7 +16,7 @@ from torch import nn
 from ..._validation import check_bool, check_int, check_number
 from ...monitor.schedule import Every
 from ..resume import build_checkpoint
-from ..serialization import remove_stale_temporaries, write_atomic
+from ..serialization import remove_stale_temporaries, weights_finite, write_atomic
 from ._callback import ORDER_SAVE, CallbackParams, RunContext
 from ._monitor import MonitorCallback
 
@@ -194,6 +194,10 @@ class ModelCheckpoint(MonitorCallback):
     training; a save that falls on an epoch's last step is made at the end of the epoch, after
     validation and the other callbacks' epoch-end work, so it resumes at the next epoch.
 
+    A stop requested by a callback or a signal saves once more; a stop of kind ``'anomaly'``
+    (training went wrong) does not, and weights that are not finite are never saved (a
+    warning says so), so ``-last.pt`` always points at the last good checkpoint.
+
     Args:
         prefix: file name prefix (no path separators). If files with this prefix already exist
             in ``directory``, ``prefix_1``, ``prefix_2``, ... is used, as MindSpore does.
@@ -268,7 +272,7 @@ class ModelCheckpoint(MonitorCallback):
             self._writer = _AsyncWriter()
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        if self.config.save_best_only:
+        if self.config.save_best_only or run_context.stop_kind == "anomaly":
             return
         cb_params = run_context.original_args()
         step = cb_params.cur_step_num
@@ -286,14 +290,21 @@ class ModelCheckpoint(MonitorCallback):
             if current is not None and self.is_improvement(current):
                 self.best = current
                 path = self._save(cb_params, epoch_complete=True)
-                self.best_ckpt_file_name = str(path)
+                if path is not None:
+                    self.best_ckpt_file_name = str(path)
             return
-        if self._pending_epoch_save or run_context.get_stop_requested():
+        if self._pending_epoch_save or (
+            run_context.stop_requested and run_context.stop_kind != "anomaly"
+        ):
             self._save(cb_params, epoch_complete=True)
 
     def on_train_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
-        if not self.config.save_best_only and self._last_save_step != cb_params.cur_step_num:
+        if (
+            not self.config.save_best_only
+            and self._last_save_step != cb_params.cur_step_num
+            and run_context.stop_kind != "anomaly"
+        ):
             self._save(cb_params, epoch_complete=True)
         self._close_writer()
 
@@ -334,10 +345,21 @@ class ModelCheckpoint(MonitorCallback):
                 info.update(item)
         return info
 
-    def _save(self, cb_params: CallbackParams, *, epoch_complete: bool) -> Path:
+    def _save(self, cb_params: CallbackParams, *, epoch_complete: bool) -> Path | None:
         self._pending_epoch_save = False
         self._last_save_step = cb_params.cur_step_num
         self._schedule.reset(cb_params.cur_step_num)
+        network = self.config.saved_network or cb_params.network
+        if not weights_finite(network):
+            # A NaN/Inf weight would make this the "newest" file and point -last.pt at it.
+            warnings.warn(
+                f"ModelCheckpoint: the weights at epoch {cb_params.cur_epoch_num}, step "
+                f"{cb_params.cur_step_num} are not finite; not saved, the last good checkpoint "
+                f"({self.latest_ckpt_file_name or 'none yet'}) is kept.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return None
         name = f"{self.prefix}-{cb_params.cur_epoch_num}_{cb_params.step_in_epoch}.pt"
         path = self.directory / name
         state = build_checkpoint(

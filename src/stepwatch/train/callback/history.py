@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..._validation import check_int
+from ...monitor import values as names
 from ...monitor.ring import RingBuffer
 from ._callback import Callback, RunContext
 
@@ -28,10 +29,14 @@ class History(Callback):
     each name to one value per epoch:
 
     * ``net_output`` - the loss of the epoch's last step (MindSpore's field);
-    * ``loss`` - the epoch's mean training loss;
-    * ``train_<metric>`` - each model metric on the training batches;
-    * in ``fit``, the validation results (``accuracy``, ``eval_loss``, ...) on the epochs that
-      validate (``NaN`` on the others, so all lists have one entry per epoch).
+    * the epoch values under their names (:mod:`stepwatch.monitor.values`, the same names the
+      run store and ``EarlyStopping(monitor=...)`` use): ``loss`` (mean training loss),
+      ``train_<metric>``, and in ``fit`` ``eval_loss`` and ``eval_<metric>``;
+    * each bare metric name (``accuracy``) as MindSpore's History has it: the validation
+      value in a ``fit`` that validates, the training value otherwise.
+
+    Epochs without a value (no validation that epoch) hold ``NaN``, so all lists have one
+    entry per epoch.
 
     Values are Python floats; the record starts afresh at each ``train``/``fit`` call.
 
@@ -85,17 +90,14 @@ class History(Callback):
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         self._flush_steps()
-        cb_params = run_context.original_args()
+        cb_params = run_context.cb_params
         row: dict[str, Any] = {"net_output": _number(cb_params.net_outputs)}
-        for name, value in cb_params.train_results.items():
-            row[name if name == "loss" else f"train_{name}"] = _number(value)
-        eval_results = getattr(cb_params, "eval_results", None) or {}
-        for name, value in eval_results.items():
-            if name == "loss":
-                # A 'loss' metric is the validation loss; 'loss' here is the training loss.
-                if "eval_loss" in eval_results:
-                    continue
-                name = "eval_loss"
+        named = names.epoch_values(
+            cb_params.train_results,
+            getattr(cb_params, "eval_results", None),
+            validates=getattr(cb_params, "valid_dataset", None) is not None,
+        )
+        for name, value in named.items():
             row[name] = _number(value)
         done = len(self.epoch["epoch"])
         for name, value in row.items():
