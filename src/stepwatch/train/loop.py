@@ -91,6 +91,15 @@ def _to_python(value: Any) -> Any:
     return value
 
 
+def _evaluate(name: str, metric: Any) -> Any:
+    """``metric.eval()`` as a Python value; an error names the metric, as a callback's does."""
+    try:
+        return _to_python(metric.eval())
+    except BaseException as exc:
+        exc.add_note(f"(raised in metric {name!r}, {type(metric).__name__}.eval)")
+        raise
+
+
 def should_eval(epoch_number: int, valid_frequency: int | list[int]) -> bool:
     if isinstance(valid_frequency, list):
         return epoch_number in valid_frequency
@@ -138,6 +147,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
     cb_params.cur_epoch_num = initial_epoch
     cb_params.train_dataset = train_dataset
     cb_params.dataset_sink_mode = plan.dataset_sink_mode
+    cb_params.train_dataset_element = None  # MindSpore has the field (None) before step 1
     if valid_dataset is not None:
         cb_params.valid_dataset = valid_dataset
     run_context = RunContext(cb_params)
@@ -151,6 +161,9 @@ def run(parts: Parts, plan: RunPlan) -> None:
             logger.info(
                 "nothing to train: the checkpoint is at epoch %d of %d", initial_epoch, epoch
             )
+            done = getattr(resume.owner, "resume_complete", None)
+            if callable(done):
+                done()  # e.g. BackupAndRestore deletes a backup that has nothing left to do
             return
         cb_params.epoch_num = epoch - initial_epoch
         cb_params.initial_epoch = initial_epoch
@@ -334,7 +347,7 @@ def train_epoch(
         results["loss"] = float(total) / steps
     for name, metric in parts.train_metrics.items():
         if loss_fn is not None and steps:
-            results[name] = _to_python(metric.eval())
+            results[name] = _evaluate(name, metric)
     return results
 
 
@@ -414,8 +427,9 @@ def eval_pass(
                 cb_params.outputs = outputs  # computed under no_grad: no graph
                 if step_end:
                     call("on_eval_step_end", run_context)
-        metrics = {name: _to_python(m.eval()) for name, m in parts.metrics.items()}
+        metrics = {name: _evaluate(name, m) for name, m in parts.metrics.items()}
         results = dict(metrics)
+        cb_params.metrics = metrics  # from here on the values, as MindSpore has them
         total = _fold(total, pending)
         if total is not None and steps:
             results["eval_loss"] = float(total) / steps

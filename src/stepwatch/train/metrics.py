@@ -78,15 +78,23 @@ def _class_predictions(y_pred: torch.Tensor, y: torch.Tensor) -> tuple[torch.Ten
 class Metric:
     """Base class of metrics: ``clear()``, ``update(*inputs)``, ``eval()``.
 
+    As in MindSpore, the base constructor does not call ``clear()`` (so a subclass may call
+    ``super().__init__()`` before setting what its ``clear`` uses); the loops call ``clear()``
+    before every pass. Built-in metrics also clear themselves when constructed.
+
     Attributes:
         uses_loss: when True, the loop passes the batch loss to ``update`` instead of
             ``(y_pred, y)``.
+        direction: ``'max'`` when larger values are better, ``'min'`` when smaller are, None
+            when not declared (the value's name then decides; see
+            :mod:`stepwatch.monitor.values`).
     """
 
     uses_loss = False
+    direction: str | None = None
 
     def __init__(self) -> None:
-        self.clear()
+        pass
 
     def clear(self) -> None:
         """Reset the accumulated state."""
@@ -109,6 +117,12 @@ class Metric:
 
 class _HitRate(Metric):
     """The fraction of samples that hit: a device-side count of hits over a host-side total."""
+
+    direction = "max"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clear()
 
     def clear(self) -> None:
         self._correct: torch.Tensor | int = 0
@@ -180,6 +194,12 @@ class Top5CategoricalAccuracy(TopKCategoricalAccuracy):
 
 
 class _ErrorMetric(Metric):
+    direction = "min"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clear()
+
     def clear(self) -> None:
         self._sum: torch.Tensor | int = 0
         self._samples = 0
@@ -217,6 +237,11 @@ class Loss(Metric):
     """Mean of the batch losses."""
 
     uses_loss = True
+    direction = "min"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clear()
 
     def clear(self) -> None:
         self._sum: torch.Tensor | int = 0
@@ -238,12 +263,15 @@ class Loss(Metric):
 class _ClassCounts(Metric):
     """Per-class true positives, predicted positives and actual positives, on the device."""
 
+    direction = "max"
+
     def __init__(self, eval_type: str = "classification", average: str | None = "macro") -> None:
         self.eval_type = check_choice("eval_type", eval_type, ("classification", "multilabel"))
         if average is not None:
             check_choice("average", average, ("macro",))
         self.average = average
         super().__init__()
+        self.clear()
 
     def clear(self) -> None:
         self._tp: torch.Tensor | None = None

@@ -351,6 +351,7 @@ class Model:
         cb_params.cur_epoch_num = 1
         cb_params.epoch_num = 1
         cb_params.batch_num = batch_num
+        cb_params.dataset_sink_mode = dataset_sink_mode
         run_context = RunContext(cb_params)
         with cb_list.entered():
             metrics, _ = eval_pass(

@@ -71,6 +71,8 @@ class ResumePoint:
         initial_epoch: epochs already complete; training continues with the next one.
         skip: batches of that next epoch already trained (a mid-epoch checkpoint), else 0.
         step: the global step of the checkpoint.
+        owner: the callback that offered the checkpoint (``BackupAndRestore``), or None when
+            the user named it.
     """
 
     path: str
@@ -78,6 +80,7 @@ class ResumePoint:
     initial_epoch: int
     skip: int
     step: int
+    owner: Any = None
 
     @property
     def epoch_rng(self) -> dict[str, Any] | None:
@@ -113,11 +116,12 @@ def find_resume_point(
             ``epoch``.
     """
     explicit = resume_from is not None
+    owner = None
     if not explicit:
         for cb in callbacks:
             finder = getattr(cb, "resume_checkpoint", None)
             if callable(finder) and (found := finder()) is not None:
-                resume_from = found
+                resume_from, owner = found, cb
                 break
     if resume_from is None:
         return None
@@ -140,7 +144,7 @@ def find_resume_point(
         set_rng_state(state["rng"])
         skip = 0 if state.get("epoch_rng") is None else skip
     logger.info("resuming from %s at epoch %d, step %d", resume_from, state["epoch"], state["step"])
-    return ResumePoint(str(resume_from), state, initial_epoch, skip, int(state["step"]))
+    return ResumePoint(str(resume_from), state, initial_epoch, skip, int(state["step"]), owner)
 
 
 def skip_then_restore(batches: Iterable[Any], skip: int, rng: dict[str, Any]) -> Iterator[Any]:

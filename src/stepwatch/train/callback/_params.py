@@ -169,7 +169,7 @@ class CallbackParams:
         fields = self.__dict__
         saved: dict[str, Any] = {
             k: fields[k]
-            for k in ("mode", "cur_step_num", "batch_num", "loss_tensor", "outputs")
+            for k in ("mode", "cur_step_num", "batch_num", "loss_tensor", "outputs", "metrics")
             if k in fields
         }
         saved_loss = self._epoch_loss

@@ -64,6 +64,15 @@ class BackupAndRestore(Callback):
         """The backup to resume from, if there is one (the Model asks before training)."""
         return self.backup_path if self.backup_path.is_file() else None
 
+    def resume_complete(self) -> None:
+        """The backup offered has nothing left to train: the job is done, so delete it (with
+        ``delete_checkpoint``), as at a normal end."""
+        if self.delete_checkpoint:
+            try:
+                self.backup_path.unlink()
+            except FileNotFoundError:
+                pass
+
     def _backup(self, run_context: RunContext, epoch_complete: bool) -> None:
         if run_context.stop_kind == "anomaly" or not weights_finite(run_context.cb_params.network):
             return  # keep the last good backup rather than one of broken weights

@@ -63,9 +63,15 @@ class OnRequestExit(Callback):
             )
         signals = [sig] if isinstance(sig, int) else list(sig)
         valid = set(signal.valid_signals())
+        uncatchable = {signal.SIGKILL, signal.SIGSTOP}
         for s in signals:
             if isinstance(s, bool) or not isinstance(s, int) or s not in valid:
                 raise ValueError(f"'sig' must be signal numbers such as signal.SIGTERM, got {s!r}.")
+            if s in uncatchable:
+                raise ValueError(
+                    f"'sig' {signal.Signals(s).name} cannot be caught by a process; use "
+                    "signal.SIGTERM or signal.SIGINT."
+                )
         if not signals:
             raise ValueError("'sig' must name at least one signal.")
         self.file_name = file_name

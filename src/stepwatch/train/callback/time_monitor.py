@@ -41,48 +41,51 @@ class TimeMonitor(Callback):
             # Bound only when asked for, so the default monitor adds nothing to each step.
             self.on_train_step_begin = self._data_step_begin  # type: ignore[method-assign]
             self.on_train_step_end = self._data_step_end  # type: ignore[method-assign]
-        self._data_seconds = 0.0
-        self._data_steps = 0
-        self._last_step_end = 0.0
+            self.on_eval_step_begin = self._data_step_begin  # type: ignore[method-assign]
+            self.on_eval_step_end = self._data_step_end  # type: ignore[method-assign]
+        # Per mode ("train" / "eval"): seconds waiting for data, steps, end of the last step.
+        self._data: dict[str, list[float]] = {"train": [0.0, 0, 0.0], "eval": [0.0, 0, 0.0]}
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         self._eval_seconds = 0.0
-        self._data_seconds = 0.0
-        self._data_steps = 0
-        self._train_start = self._last_step_end = time.perf_counter()
+        self._train_start = time.perf_counter()
+        self._data["train"] = [0.0, 0, self._train_start]
 
     def _data_step_begin(self, run_context: RunContext) -> None:
-        self._data_seconds += time.perf_counter() - self._last_step_end
-        self._data_steps += 1
+        counts = self._data[run_context.cb_params.mode]
+        counts[0] += time.perf_counter() - counts[2]
+        counts[1] += 1
 
     def _data_step_end(self, run_context: RunContext) -> None:
-        self._last_step_end = time.perf_counter()
+        self._data[run_context.cb_params.mode][2] = time.perf_counter()
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         seconds = time.perf_counter() - self._train_start - self._eval_seconds
-        self._print("Train", seconds, self.data_size or cb_params.batch_num)
+        self._print("Train", seconds, self.data_size or cb_params.batch_num, "train")
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         self._eval_outer_start = time.perf_counter()
 
     def on_eval_epoch_begin(self, run_context: RunContext) -> None:
         self._eval_start = time.perf_counter()
+        self._data["eval"] = [0.0, 0, self._eval_start]
 
     def on_eval_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         seconds = time.perf_counter() - self._eval_start
-        self._print("Eval", seconds, cb_params.batch_num, data=False)
+        self._print("Eval", seconds, cb_params.batch_num, "eval")
 
     def on_eval_end(self, run_context: RunContext) -> None:
         # Everything between the validation's begin and end is left out of the training time.
         self._eval_seconds += time.perf_counter() - self._eval_outer_start
 
-    def _print(self, kind: str, seconds: float, steps: int, data: bool = True) -> None:
+    def _print(self, kind: str, seconds: float, steps: int, mode: str) -> None:
         epoch_ms = seconds * 1000
         line = f"{kind} epoch time: {epoch_ms:5.3f} ms"
         if steps:
             line += f", per step time: {epoch_ms / steps:5.3f} ms"
-        if data and self.data_time and self._data_steps:
-            line += f" (data time: {self._data_seconds * 1000 / self._data_steps:5.3f} ms)"
+        waited, counted, _ = self._data[mode]
+        if self.data_time and counted:
+            line += f" (data time: {waited * 1000 / counted:5.3f} ms)"
         print(line, flush=True)
