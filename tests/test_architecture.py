@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.writer",
     ),
     ("stepwatch.train.metrics", "stepwatch.train.serialization"),
-    ("stepwatch.train.resume",),
+    ("stepwatch.train.resume", "stepwatch.train.checks"),
     ("stepwatch.train.callback._params",),
     ("stepwatch.train.callback._callback",),
     ("stepwatch.train.callback._monitor",),

@@ -153,7 +153,9 @@ def run(parts: Parts, plan: RunPlan) -> None:
     run_context = RunContext(cb_params)
     source = ContinuingBatches(train_dataset) if sinking else None
 
-    resume = find_resume_point(plan.resume_from, cb_list, parts, epoch)
+    resume = find_resume_point(
+        plan.resume_from, cb_list, parts, epoch, steps_per_epoch, train_dataset
+    )
     skip = 0
     if resume is not None:
         initial_epoch, skip = resume.initial_epoch, resume.skip
@@ -186,8 +188,8 @@ def run(parts: Parts, plan: RunPlan) -> None:
             cb_params.loss = None
             if skip:
                 assert resume is not None and resume.epoch_rng is not None
-                set_rng_state(resume.epoch_rng)
-            progress.epoch_start_rng = rng_state()
+                set_rng_state(resume.epoch_rng, train_dataset)
+            progress.epoch_start_rng = rng_state(train_dataset)
             set_epoch(train_dataset, epoch_index)
             cb_list.call("on_train_epoch_begin", run_context)
             batches: Iterable[Any] = (
@@ -195,7 +197,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
             )
             if skip:
                 assert resume is not None
-                batches = skip_then_restore(batches, skip, resume.rng)
+                batches = skip_then_restore(batches, skip, resume.rng, train_dataset)
                 skip = 0
             train_results = train_epoch(parts, batches, cb_list, cb_params, run_context)
             cb_params.train_results = train_results

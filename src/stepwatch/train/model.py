@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,9 +13,12 @@ import torch
 from torch import nn
 
 from .._validation import check_bool, check_int
-from ..dataset import check_first_batch, dataset_size, feed, move
+from ..dataset import NumpySlicesDataset, check_first_batch, dataset_size, feed, move
 from ..distributed import rank_and_world
 from .callback._callback import CallbackList, RunContext, normalize_callbacks
+from .callback.history import History
+from .checks import check_first_batch as check_first_forward
+from .checks import check_optimizer
 from .loop import Parts, RunPlan, eval_pass, new_cb_params, run
 from .metrics import build_metrics
 
@@ -64,19 +68,46 @@ _RESERVED = frozenset(
 def _resolve_device(device: Any) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, torch.device):
-        return device
     if isinstance(device, str):
         try:
-            return torch.device(device)
+            device = torch.device(device)
         except RuntimeError as exc:
             raise ValueError(
                 f"'device' must name a torch device such as 'cpu' or 'cuda:0', but got {device!r}."
             ) from exc
+    if isinstance(device, torch.device):
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"'device' is {str(device)!r}, but this PyTorch sees no CUDA GPU (a CPU-only "
+                "build, or no GPU on this machine); pass device='cpu', or None to pick what "
+                "is there."
+            )
+        if device.type == "cuda" and device.index is not None:
+            count = torch.cuda.device_count()
+            if device.index >= count:
+                raise ValueError(
+                    f"'device' is {str(device)!r}, but there are {count} CUDA devices "
+                    f"(cuda:0..cuda:{count - 1})."
+                )
+        return device
     raise TypeError(
         f"'device' must be None, a str or a torch.device, but got {device!r} with type "
         f"'{type(device).__name__}'."
     )
+
+
+def _is_dataset(value: Any) -> bool:
+    """A dataset of batches, as ``predict`` accepts it (not a tensor or array of inputs)."""
+    if isinstance(value, (torch.utils.data.DataLoader, NumpySlicesDataset)):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(b, tuple) for b in value)
+
+
+def _data_of(batch: Any) -> Any:
+    """The input part of a batch: ``data`` of ``(data, label)``, else the batch."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
+        return batch[0]
+    return batch
 
 
 def _class_hint(name: str, value: Any, what: str) -> None:
@@ -155,6 +186,8 @@ class Model:
                 f"'metrics' names {clash} clash with cb_params fields; use other names, e.g. "
                 f"{{'my_{clash[0]}': ...}}."
             )
+        if optimizer is not None:
+            check_optimizer(network, optimizer)
         self._network = network.to(self._device)
         self._loss_fn = loss_fn.to(self._device) if isinstance(loss_fn, nn.Module) else loss_fn
         self._optimizer = optimizer
@@ -261,7 +294,7 @@ class Model:
         sink_size: int = -1,
         initial_epoch: int = 0,
         resume_from: str | os.PathLike[str] | None = None,
-    ) -> None:
+    ) -> History:
         """Train for epochs ``initial_epoch + 1`` .. ``epoch``.
 
         Args:
@@ -278,11 +311,17 @@ class Model:
                 states, and continues at the saved epoch and step; ``initial_epoch`` is then
                 taken from the checkpoint.
 
+        Returns:
+            The run's :class:`History` (the one in ``callbacks``, or a new one): per-epoch
+            values under the names of :mod:`stepwatch.monitor.values`, as Keras' ``fit``
+            returns it. (MindSpore returns None; code that ignores the result is unaffected.)
+
         Raises:
             TypeError / ValueError: bad arguments, an empty dataset, a batch that is not
-                ``(data, label)`` when ``loss_fn`` is set, or no optimizer.
+                ``(data, label)`` when ``loss_fn`` is set, labels that do not fit the outputs
+                (checked on the first batch before training), or no optimizer.
         """
-        self._run(
+        return self._run(
             epoch,
             train_dataset,
             callbacks,
@@ -304,7 +343,7 @@ class Model:
         sink_size: int = -1,
         initial_epoch: int = 0,
         resume_from: str | os.PathLike[str] | None = None,
-    ) -> None:
+    ) -> History:
         """Train, validating on ``valid_dataset`` after every ``valid_frequency`` epochs.
 
         Validation runs after the epoch's last step and before ``on_train_epoch_end``; its
@@ -314,13 +353,27 @@ class Model:
         Args:
             valid_frequency: an int k (validate every k epochs) or a list of epoch numbers.
             Others (``resume_from`` too) as in :meth:`train`.
+
+        Returns:
+            The run's :class:`History`, as :meth:`train`.
         """
         check_bool("valid_dataset_sink_mode", valid_dataset_sink_mode)
         self._check_valid_frequency(valid_frequency)
         if valid_dataset is not None:
             self._check_eval_ready("fit")
             dataset_size(valid_dataset, "valid_dataset")
-        self._run(
+            check_int("epoch", epoch, minimum=1)
+            check_int("initial_epoch", initial_epoch, minimum=0)
+            if isinstance(valid_frequency, list) and not any(
+                initial_epoch < e <= epoch for e in valid_frequency
+            ):
+                warnings.warn(
+                    f"'valid_frequency' {valid_frequency} names no epoch of this run (epochs "
+                    f"{initial_epoch + 1}..{epoch}): it will never validate.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return self._run(
             epoch,
             train_dataset,
             callbacks,
@@ -347,6 +400,9 @@ class Model:
         self._check_eval_ready("eval")
         batch_num = dataset_size(valid_dataset, "valid_dataset")
         check_first_batch(valid_dataset, "valid_dataset", self._loss_fn is not None)
+        check_first_forward(
+            self.eval_network, self._loss_fn, self._metric_fns, valid_dataset, self._device
+        )
         cb_params = new_cb_params(self._parts, cb_list, rank, world)
         cb_params.cur_epoch_num = 1
         cb_params.epoch_num = 1
@@ -360,12 +416,27 @@ class Model:
         return metrics
 
     def predict(self, *inputs: Any) -> Any:
-        """Run the eval network on ``inputs`` without gradients and return its output."""
+        """Run the eval network without gradients and return its output.
+
+        ``predict(x)`` / ``predict(x1, x2)`` feed tensors (or arrays) directly.
+        ``predict(dataset)`` - a DataLoader, a NumpySlicesDataset or a list of batches -
+        feeds every batch (the data column of ``(data, label)`` batches) and returns the
+        outputs concatenated along the first dimension.
+        """
         net = self.eval_network
         was_training = net.training
         net.eval()
         try:
             with torch.no_grad():
+                if len(inputs) == 1 and _is_dataset(inputs[0]):
+                    outputs = [
+                        feed(net, move(_data_of(batch), self._device)) for batch in inputs[0]
+                    ]
+                    if not outputs:
+                        raise ValueError("'predict' got an empty dataset.")
+                    if all(isinstance(o, torch.Tensor) for o in outputs):
+                        return torch.cat(outputs)
+                    return outputs
                 return feed(net, move(tuple(inputs), self._device))
         finally:
             net.train(was_training)
@@ -383,11 +454,16 @@ class Model:
         sink_size: int,
         initial_epoch: int,
         resume_from: str | os.PathLike[str] | None,
-    ) -> None:
+    ) -> History:
         self._check_epochs(epoch, initial_epoch)
         self._check_sink(dataset_sink_mode, sink_size)
         rank, _ = rank_and_world()
-        cb_list = CallbackList(normalize_callbacks(callbacks), rank)
+        given = normalize_callbacks(callbacks)
+        history = next((cb for cb in given if isinstance(cb, History)), None)
+        if history is None:
+            history = History()
+            given.append(history)
+        cb_list = CallbackList(given, rank)
         if resume_from is not None and not isinstance(resume_from, (str, os.PathLike)):
             raise TypeError(
                 f"'resume_from' must be a checkpoint path or None, but got {resume_from!r} with "
@@ -400,6 +476,9 @@ class Model:
             )
         batch_num = dataset_size(train_dataset, "train_dataset")
         check_first_batch(train_dataset, "train_dataset", self._loss_fn is not None)
+        check_first_forward(
+            self._network, self._loss_fn, self._metric_fns, train_dataset, self._device
+        )
         plan = RunPlan(
             epoch=epoch,
             train_dataset=train_dataset,
@@ -413,3 +492,4 @@ class Model:
             resume_from=resume_from,
         )
         run(self._parts, plan)
+        return history

@@ -22,15 +22,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from .serialization import FORMAT, VERSION, load_checkpoint, to_cpu
+from .serialization import FORMAT, VERSION, read_checkpoint, restore, to_cpu
 
 __all__ = ["ResumePoint", "build_checkpoint", "find_resume_point", "rng_state", "set_rng_state"]
 
 logger = logging.getLogger("stepwatch")
 
 
-def rng_state() -> dict[str, Any]:
-    """Every random generator a training step may draw from."""
+def data_generators(dataset: Any) -> list[torch.Generator]:
+    """The generators a DataLoader shuffles with: its own ``generator=`` and its sampler's."""
+    found: list[torch.Generator] = []
+    holders = (
+        dataset,
+        getattr(dataset, "sampler", None),
+        getattr(getattr(dataset, "batch_sampler", None), "sampler", None),
+    )
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
+def rng_state(dataset: Any = None) -> dict[str, Any]:
+    """Every random generator a training step may draw from: torch's, NumPy's, Python's,
+    CUDA's, and those of ``dataset`` (a DataLoader built with ``generator=``)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
@@ -46,10 +62,14 @@ def rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if dataset is not None:
+        generators = data_generators(dataset)
+        if generators:
+            state["data"] = [g.get_state() for g in generators]
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], dataset: Any = None) -> None:
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(
@@ -59,6 +79,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    saved = state.get("data")
+    if dataset is not None and saved:
+        generators = data_generators(dataset)
+        if len(generators) != len(saved):
+            raise ValueError(
+                f"the checkpoint holds {len(saved)} data-loader generator states but this "
+                f"run's dataset has {len(generators)} generators: resume with a DataLoader "
+                "built the same way (the same generator= and sampler)."
+            )
+        for generator, generator_state in zip(generators, saved):
+            generator.set_state(generator_state)
 
 
 @dataclass
@@ -100,6 +131,8 @@ def find_resume_point(
     callbacks: Iterable[Any],
     parts: Any,
     epoch: int,
+    steps_per_epoch: int,
+    dataset: Any = None,
 ) -> ResumePoint | None:
     """Restore the network, optimizer and random generators from a checkpoint and say where
     the run continues; None when there is nothing to resume.
@@ -110,10 +143,13 @@ def find_resume_point(
         callbacks: the run's callbacks.
         parts: what to restore: an object with ``train_network`` and ``optimizer``.
         epoch: the run's final epoch number.
+        steps_per_epoch: this run's steps per epoch.
+        dataset: the training dataset, whose own generators are restored too.
 
     Raises:
-        ValueError: the file holds weights only, or (named by the user) is already at or past
-            ``epoch``.
+        ValueError: the file holds weights only; (named by the user) it is already at or past
+            ``epoch``; it was saved mid-epoch with another number of steps per epoch (a
+            different batch size would skip the wrong samples).
     """
     explicit = resume_from is not None
     owner = None
@@ -125,35 +161,50 @@ def find_resume_point(
                 break
     if resume_from is None:
         return None
-    state = load_checkpoint(resume_from, parts)
+    state = read_checkpoint(resume_from)
     if "epoch" not in state:
         raise ValueError(
             f"{str(resume_from)!r} holds weights only (written by save_checkpoint); resuming "
             "needs a checkpoint from ModelCheckpoint, BackupAndRestore or OnRequestExit."
         )
+    step = int(state["step"])
     if state["epoch_complete"] or state["step_in_epoch"] >= state["batch_num"]:
         initial_epoch, skip = state["epoch"], 0
+        if state["batch_num"] != steps_per_epoch:
+            # Another batch size between runs: steps are numbered on this run's epochs.
+            step = initial_epoch * steps_per_epoch
     else:
         initial_epoch, skip = state["epoch"] - 1, state["step_in_epoch"]
+        if state["batch_num"] != steps_per_epoch:
+            raise ValueError(
+                f"{str(resume_from)!r} was saved in the middle of epoch {state['epoch']} (step "
+                f"{state['step_in_epoch']} of {state['batch_num']}), but this run has "
+                f"{steps_per_epoch} steps per epoch (another batch size or dataset?), so the "
+                "batches to skip are not the ones trained. Resume with the same dataset and "
+                "batch size, or from a checkpoint saved at an epoch's end."
+            )
     if explicit and initial_epoch >= epoch:
         raise ValueError(
             f"'resume_from' checkpoint {str(resume_from)!r} is at epoch {state['epoch']}; "
             f"'epoch' must be larger than that to train more, but got {epoch}."
         )
+    restore(state, parts, resume_from)  # after the checks: a refused resume changes nothing
     if not skip or state.get("epoch_rng") is None:
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], dataset)
         skip = 0 if state.get("epoch_rng") is None else skip
     logger.info("resuming from %s at epoch %d, step %d", resume_from, state["epoch"], state["step"])
-    return ResumePoint(str(resume_from), state, initial_epoch, skip, int(state["step"]), owner)
+    return ResumePoint(str(resume_from), state, initial_epoch, skip, step, owner)
 
 
-def skip_then_restore(batches: Iterable[Any], skip: int, rng: dict[str, Any]) -> Iterator[Any]:
+def skip_then_restore(
+    batches: Iterable[Any], skip: int, rng: dict[str, Any], dataset: Any = None
+) -> Iterator[Any]:
     """Drop the first ``skip`` batches (trained before the checkpoint), then restore the RNG
     to its state at the save."""
     iterator = iter(batches)
     for _ in range(skip):
         next(iterator, None)
-    set_rng_state(rng)
+    set_rng_state(rng, dataset)
     yield from iterator
 
 
@@ -193,7 +244,7 @@ def build_checkpoint(
         # Saved at an epoch end after a stop part-way through, the epoch is not complete: a
         # resumed run trains the rest of it.
         "epoch_complete": bool(epoch_complete) and step_in_epoch == batch_num,
-        "rng": rng_state(),
+        "rng": rng_state(getattr(cb_params, "train_dataset", None)),
         "epoch_rng": progress.epoch_start_rng,
         "callbacks": to_cpu(cb_params.list_callback.state_dicts()),
         "append_info": dict(append_info or {}),

@@ -61,8 +61,12 @@ def _fsync_dir(directory: Path) -> None:
 def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``state`` to ``path`` atomically: the file is either the old one or the new one."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX + target.name, dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX + target.name, dir=target.parent)
+    except OSError as exc:
+        # Name the file the user asked for, not the hidden temporary one.
+        raise type(exc)(exc.errno, f"cannot write {str(target)!r}: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -132,12 +136,73 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:
+        text = str(exc)
+        if "Weights only load failed" in text:
+            reason = "it holds Python objects that a safe load refuses (not written by stepwatch)"
+        else:
+            reason = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        # torch's own message goes on to suggest weights_only=False: unsafe advice for a file
+        # that failed to load, so it is not passed on.
         raise ValueError(
-            f"{str(p)!r} is not a readable stepwatch checkpoint (truncated or corrupt?): {exc}"
-        ) from exc
+            f"{str(p)!r} is not a readable stepwatch checkpoint (truncated or corrupt?): {reason}"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{str(p)!r} is not a stepwatch checkpoint (no '{FORMAT}' marker).")
     return state
+
+
+def restore(state: dict[str, Any], model: Any, path: Any, strict: bool = True) -> None:
+    """Load a checkpoint's weights (and optimizer state) into ``model``: a Model-like object
+    with ``train_network`` and ``optimizer``, or an ``nn.Module``. The optimizer is checked
+    first, so a mismatch changes nothing."""
+    from torch import nn
+
+    network = model if isinstance(model, nn.Module) else model.train_network
+    optimizer = None if isinstance(model, nn.Module) else model.optimizer
+    saved_optimizer = state.get("optimizer")
+    if optimizer is not None and saved_optimizer is not None:
+        check_optimizer_matches(path, saved_optimizer, optimizer)
+    network.load_state_dict(state["network"], strict=strict)
+    if optimizer is not None and saved_optimizer is not None:
+        optimizer.load_state_dict(saved_optimizer)
+
+
+def check_optimizer_matches(path: Any, saved: dict[str, Any], optimizer: Any) -> None:
+    """Raise ValueError when ``saved`` (an optimizer state_dict) is not of ``optimizer``'s kind.
+
+    Loading another optimizer's state succeeds in torch and fails only at the next step (a
+    bare ``KeyError: 'betas'``); the settings each parameter group holds tell them apart.
+    """
+    groups = saved.get("param_groups") or []
+    current = optimizer.param_groups
+    where = f"checkpoint {str(path)!r}"
+    if len(groups) != len(current):
+        raise ValueError(
+            f"{where} holds an optimizer with {len(groups)} parameter groups, but this Model's "
+            f"{type(optimizer).__name__} has {len(current)}; build the optimizer as it was when "
+            "the checkpoint was saved."
+        )
+    for i, (old, new) in enumerate(zip(groups, current)):
+        old_keys, new_keys = set(old) - {"params"}, set(new) - {"params"}
+        if not old_keys >= new_keys - _OPTIONAL_GROUP_KEYS:
+            missing = sorted(new_keys - old_keys - _OPTIONAL_GROUP_KEYS)
+            raise ValueError(
+                f"{where} was saved with another kind of optimizer than this Model's "
+                f"{type(optimizer).__name__}: its parameter group {i} lacks {missing}. Resume "
+                "with the optimizer class the run was trained with, or load only the weights "
+                "with load_checkpoint(path, model.train_network)."
+            )
+        if len(old["params"]) != len(new["params"]):
+            raise ValueError(
+                f"{where}: parameter group {i} had {len(old['params'])} parameters, this "
+                f"Model's optimizer has {len(new['params'])}; is it the same network?"
+            )
+
+
+# Group settings that newer torch versions add with defaults: absent from older files.
+_OPTIONAL_GROUP_KEYS = frozenset(
+    {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
+)
 
 
 def load_checkpoint(
@@ -162,15 +227,10 @@ def load_checkpoint(
     To resume training, pass the path to ``Model.train/fit(..., resume_from=path)`` instead:
     that also restores the random generators and continues at the saved epoch and step.
     """
-    from torch import nn
 
     state = read_checkpoint(path)
     if model is not None:
-        network = model if isinstance(model, nn.Module) else model.train_network
-        network.load_state_dict(state["network"], strict=strict)
-        optimizer = None if isinstance(model, nn.Module) else model.optimizer
-        if optimizer is not None and state.get("optimizer") is not None:
-            optimizer.load_state_dict(state["optimizer"])
+        restore(state, model, path, strict)
     if callbacks is not None:
         saved = state.get("callbacks", {})
         for cb in callbacks:

@@ -200,7 +200,10 @@ class ModelCheckpoint(MonitorCallback):
 
     Args:
         prefix: file name prefix (no path separators). If files with this prefix already exist
-            in ``directory``, ``prefix_1``, ``prefix_2``, ... is used, as MindSpore does.
+            in ``directory``, ``prefix_1``, ``prefix_2``, ... is used, as MindSpore does; a run
+            resumed from one of this callback's checkpoints continues that series instead
+            (same prefix, ``-last.pt`` stays the newest, ``keep_checkpoint_max`` counts the
+            series' earlier files).
         directory: where to save (default: the current directory); created if missing.
         config: a :class:`CheckpointConfig` (default ``CheckpointConfig()``).
 
@@ -233,6 +236,8 @@ class ModelCheckpoint(MonitorCallback):
             raise TypeError(
                 f"'directory' must be a str, a path or None, but got {type(directory).__name__}."
             )
+        if directory is not None:
+            _check_directory("directory", Path(directory))
         if config is None:
             config = CheckpointConfig()
         if not isinstance(config, CheckpointConfig):
@@ -251,6 +256,7 @@ class ModelCheckpoint(MonitorCallback):
         self._schedule = Every(config.save_checkpoint_steps, config.save_checkpoint_seconds)
         self._pending_epoch_save = False
         self._writer: _AsyncWriter | None = None
+        self._writing: str | None = None
         self._lock = threading.Lock()
 
     @property
@@ -362,13 +368,17 @@ class ModelCheckpoint(MonitorCallback):
             return None
         name = f"{self.prefix}-{cb_params.cur_epoch_num}_{cb_params.step_in_epoch}.pt"
         path = self.directory / name
-        state = build_checkpoint(
-            cb_params,
-            epoch_complete=epoch_complete,
-            network=self.config.saved_network,
-            append_info=self._append_info(cb_params),
-            copy=self._writer is not None,
-        )
+        self._writing = name
+        try:
+            state = build_checkpoint(
+                cb_params,
+                epoch_complete=epoch_complete,
+                network=self.config.saved_network,
+                append_info=self._append_info(cb_params),
+                copy=self._writer is not None,
+            )
+        finally:
+            self._writing = None
         cb_params.latest_ckpt_file = str(path)
         cb_params.last_save_ckpt_step = cb_params.cur_step_num
         self.latest_ckpt_file_name = str(path)
@@ -425,11 +435,46 @@ class ModelCheckpoint(MonitorCallback):
             warnings.warn("a background checkpoint save failed", RuntimeWarning, stacklevel=2)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best, "best_ckpt_file_name": self.best_ckpt_file_name or ""}
+        with self._lock:
+            saved = [p.name for p, _ in self._saved]
+        if self._writing is not None and self._writing not in saved:
+            saved.append(self._writing)  # the file this state is being written into
+        return {
+            "best": self.best,
+            "best_ckpt_file_name": self.best_ckpt_file_name or "",
+            # The series a resumed run continues: its prefix and files (oldest first).
+            "prefix": self.prefix,
+            "saved": saved,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = float(state["best"])
         self.best_ckpt_file_name = state.get("best_ckpt_file_name") or None
+        prefix = state.get("prefix")
+        if prefix:
+            # A resumed run continues the series it was saved in: same prefix, the older files
+            # count against keep_checkpoint_max, and -last.pt keeps pointing at the newest.
+            self.prefix = str(prefix)
+            now = time.monotonic()
+            with self._lock:
+                self._saved = [
+                    (self.directory / name, now)
+                    for name in state.get("saved", [])
+                    if (self.directory / name).is_file()
+                ]
+
+
+def _check_directory(argname: str, directory: Path) -> None:
+    """A folder that exists or can be created: not a file, nor under one, and writable."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(
+            f"'{argname}' must be a folder, but {str(probe)!r} is a file; pass a folder path."
+        )
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"'{argname}' {str(directory)!r} is not writable (no permission).")
 
 
 def _unlink(path: Path) -> None:

@@ -1,0 +1,198 @@
+"""Checks made before training starts, so a mistake is a clear error at the door rather than a
+raw torch error at step 1 (or, worse, silent garbage).
+
+* :func:`check_optimizer`: the optimizer must update the network's own parameters.
+* :func:`check_first_batch`: one forward pass on the first batch (no gradients, the random
+  generators untouched; torch's own loss modules are called once, a loss function of the
+  user's is not) checks the labels against the outputs for the loss and the metrics:
+  a regression label ``(N,)`` against an output ``(N, 1)`` broadcasts to an ``(N, N)`` loss
+  and trains to garbage; class labels of the wrong shape, type or range fail deep in torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..dataset import NumpySlicesDataset, feed, move
+from .resume import rng_state, set_rng_state
+
+__all__ = ["check_first_batch", "check_optimizer"]
+
+_CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+_SAME_SHAPE_LOSSES = (
+    nn.MSELoss,
+    nn.L1Loss,
+    nn.SmoothL1Loss,
+    nn.HuberLoss,
+    nn.BCELoss,
+    nn.BCEWithLogitsLoss,
+)
+
+
+def check_optimizer(network: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError when ``optimizer`` updates none of ``network``'s parameters."""
+    own = {id(p) for p in network.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if params and own and not any(id(p) in own for p in params):
+        raise ValueError(
+            "'optimizer' updates none of the network's parameters, so training would change "
+            "nothing: build it from this network, e.g. torch.optim.SGD(network.parameters(), "
+            "lr=0.1) (was it made for another network, or for a copy of this one?)."
+        )
+
+
+def sample_batch(dataset: Any) -> Any:
+    """The first batch of ``dataset`` when it can be had without side effects, else None."""
+    if isinstance(dataset, (list, tuple)):
+        return dataset[0] if dataset else None
+    if isinstance(dataset, NumpySlicesDataset):
+        return next(iter(dataset), None)  # a shuffle draws from the generators: restored after
+    inner = getattr(dataset, "dataset", None)
+    collate = getattr(dataset, "collate_fn", None)
+    batch_size = getattr(dataset, "batch_size", None)
+    if (
+        isinstance(dataset, torch.utils.data.DataLoader)
+        and isinstance(inner, torch.utils.data.Dataset)
+        and not isinstance(inner, torch.utils.data.IterableDataset)
+        and callable(collate)
+        and batch_size
+    ):
+        try:
+            n = min(int(batch_size), len(inner))  # type: ignore[arg-type]
+            return collate([inner[i] for i in range(n)])
+        except Exception:  # a dataset that cannot be indexed this way: skip the check
+            return None
+    return None
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return str(tuple(shape)) if shape is not None else type(value).__name__
+
+
+def _check_class_labels(outputs: torch.Tensor, label: torch.Tensor, loss_fn: Any) -> None:
+    name = type(loss_fn).__name__
+    if label.is_floating_point() and label.shape == outputs.shape:
+        return  # class probabilities: allowed by CrossEntropyLoss
+    expected = (outputs.shape[0], *outputs.shape[2:])
+    if label.shape != expected:
+        hint = (
+            "squeeze the label column: labels.squeeze(1)"
+            if label.ndim == outputs.ndim and label.shape[-1:] == (1,)
+            else f"give one class index per sample, shape {tuple(expected)}"
+        )
+        raise ValueError(
+            f"labels {_shape(label)} vs outputs {_shape(outputs)}: {name} wants class indices "
+            f"of shape {tuple(expected)}; {hint}."
+        )
+    if label.is_floating_point():
+        raise ValueError(
+            f"labels {_shape(label)} are {label.dtype}, but {name} wants integer class indices: "
+            "convert them with labels.long() (or pass class probabilities of the outputs' "
+            "shape)."
+        )
+    classes = outputs.shape[1] if outputs.ndim > 1 else 0
+    ignore = getattr(loss_fn, "ignore_index", None)
+    valid = label[label != ignore] if ignore is not None else label
+    if classes and valid.numel():
+        low, high = int(valid.min()), int(valid.max())
+        if low < 0 or high >= classes:
+            bad = high if high >= classes else low
+            raise ValueError(
+                f"label {bad} is out of range for outputs {_shape(outputs)} with {classes} "
+                f"classes: labels must be in 0..{classes - 1} (does the last layer have one "
+                "output per class?)."
+            )
+
+
+def _check_loss(outputs: Any, label: Any, loss_fn: Any) -> None:
+    if not isinstance(outputs, torch.Tensor) or not isinstance(label, torch.Tensor):
+        return
+    if isinstance(loss_fn, _CLASS_LOSSES):
+        _check_class_labels(outputs, label, loss_fn)
+    elif isinstance(loss_fn, _SAME_SHAPE_LOSSES) and label.shape != outputs.shape:
+        raise ValueError(
+            f"labels {_shape(label)} vs outputs {_shape(outputs)}: {type(loss_fn).__name__} "
+            "needs the same shape (it would broadcast and train on the wrong pairs); reshape "
+            f"the labels to {tuple(outputs.shape)} (e.g. labels.reshape(-1, 1)) or squeeze "
+            "the output."
+        )
+
+
+def _is_torch_loss(loss_fn: Any) -> bool:
+    """One of torch's own loss modules: a pure function of its inputs, safe to call once more."""
+    return isinstance(loss_fn, nn.Module) and type(loss_fn).__module__.startswith("torch.nn.")
+
+
+def _check_metrics(outputs: Any, label: Any, loss: Any, metrics: dict[str, Any]) -> None:
+    for name, metric in metrics.items():
+        if loss is None and getattr(metric, "uses_loss", False):
+            continue
+        trial = copy.deepcopy(metric)
+        try:
+            trial.clear()
+            if getattr(trial, "uses_loss", False):
+                trial.update(loss)
+            else:
+                trial.update(outputs, label)
+        except Exception as exc:
+            raise ValueError(
+                f"metric {name!r} ({type(metric).__name__}) cannot use outputs {_shape(outputs)} "
+                f"with labels {_shape(label)}: {exc}. Pick metrics that fit the task "
+                "('accuracy' for class scores, 'mae'/'mse' for outputs shaped like the labels)."
+            ) from exc
+
+
+def check_first_batch(
+    network: nn.Module, loss_fn: Any, metrics: dict[str, Any], dataset: Any, device: Any
+) -> None:
+    """Run the first batch through ``network`` and ``loss_fn`` and check labels and outputs.
+
+    Nothing is trained: no gradients, the network in eval mode, and every random generator
+    restored afterwards, so the run is the same as without the check.
+
+    Raises:
+        ValueError: labels that do not fit the outputs for the loss or a metric, naming the
+            shapes and the fix.
+    """
+    if loss_fn is None:
+        return
+    state = rng_state()
+    try:
+        batch = sample_batch(dataset)
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            return
+        data, label = move(batch[0], device), move(batch[1], device)
+        was_training = network.training
+        network.eval()
+        try:
+            with torch.no_grad():
+                outputs = feed(network, data)
+                _check_loss(outputs, label, loss_fn)
+                if not _is_torch_loss(loss_fn):
+                    # A loss of the user's own may count its calls or log: not called here.
+                    _check_metrics(outputs, label, None, metrics)
+                    return
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error", UserWarning)
+                    try:
+                        loss = loss_fn(outputs, label)
+                    except UserWarning as warning:  # torch's "target size ... broadcasting"
+                        raise ValueError(
+                            f"labels {_shape(label)} vs outputs {_shape(outputs)}: {warning}"
+                        ) from None
+                    except (RuntimeError, IndexError, ValueError) as exc:
+                        raise ValueError(
+                            f"the loss cannot take labels {_shape(label)} with outputs "
+                            f"{_shape(outputs)}: {exc}"
+                        ) from exc
+                _check_metrics(outputs, label, loss, metrics)
+        finally:
+            network.train(was_training)
+    finally:
+        set_rng_state(state)
