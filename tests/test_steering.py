@@ -267,3 +267,18 @@ def test_monitor_mode_auto() -> None:
     assert not EarlyStopping("accuracy").minimize and not EarlyStopping("eval_recall").minimize
     assert EarlyStopping("accuracy", mode="min").minimize
     assert math.isinf(EarlyStopping("loss").best)
+
+
+@pytest.mark.parametrize(
+    ("monitor", "suggested"), [("epoch_loss", "loss"), ("val_accuracy", "eval_accuracy")]
+)
+def test_a_missing_monitor_suggests_the_name_it_likely_means(monitor: str, suggested: str) -> None:
+    model = make_model(metrics={"accuracy"})
+    with pytest.warns(UserWarning, match=f"Did you mean {suggested!r}"):
+        model.fit(1, make_batches(2), make_batches(1), callbacks=[EarlyStopping(monitor)])
+
+
+def test_a_value_without_direction_needs_a_mode() -> None:
+    with pytest.raises(ValueError, match="'lr' has no better direction; pass mode="):
+        EarlyStopping("lr")
+    assert EarlyStopping("lr", mode="min").minimize

@@ -3,6 +3,7 @@ best-only ModelCheckpoint."""
 
 from __future__ import annotations
 
+import difflib
 import math
 import warnings
 from typing import Any
@@ -99,9 +100,15 @@ class MonitorCallback(Callback):
         expects_eval = getattr(cb_params, "valid_dataset", None) is not None
         if value is None and not self._warned_missing and (validated or not expects_eval):
             self._warned_missing = True
+            bare = self.monitor.removeprefix("epoch_").removeprefix("val_")
+            close = [bare] if bare in values else []
+            if self.monitor.startswith("val_") and f"eval_{bare}" in values:
+                close = [f"eval_{bare}"]  # Keras' name for a validation value
+            close = close or difflib.get_close_matches(self.monitor, list(values), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
             warnings.warn(
                 f"{type(self).__name__}: monitor {self.monitor!r} is not available at the end "
-                f"of epoch {cb_params.cur_epoch_num}; available: {names.available(values)}. "
+                f"of epoch {cb_params.cur_epoch_num}; available: {names.available(values)}.{hint} "
                 "It is skipped on epochs without it.",
                 UserWarning,
                 stacklevel=2,
