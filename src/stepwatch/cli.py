@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 
 __all__ = ["main"]
 
