@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -322,6 +321,8 @@ def _nearest_existing(path: Path) -> Path:
 
 def _check_can_create_in(folder: Path, what: str) -> None:
     """The nearest existing folder at or above ``folder`` is one we can create files in."""
+    import tempfile
+
     base = _nearest_existing(folder)
     if not base.is_dir():
         raise _UsageError(f"{what}: {base} is not a folder")

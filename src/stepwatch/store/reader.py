@@ -10,7 +10,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import sqlite3
 import threading
 import time
@@ -98,6 +97,8 @@ class LossStats:
 def effective_status(status: str, host: str, pid: int, heartbeat: float) -> str:
     if status != "running":
         return status
+    import socket  # only for live-looking runs: the CLI starts faster without it
+
     stale = time.time() - heartbeat > STALE_SECONDS
     if host == socket.gethostname():
         return "crashed" if stale or not _pid_alive(pid) else "running"
