@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["main"]
 
-LOSS_NOTE = "best/last loss: the epoch-mean training loss ('loss')"
+LOSS_NOTE = (
+    "best/last loss: the epoch-mean training loss (key 'loss'); marked '*', the per-step "
+    "loss (key 'step_loss') of a run with no epoch mean yet"
+)
 STEP_LOSS_NOTE = "* per-step loss: the run has no epoch-mean loss (yet)"
 
 

@@ -13,9 +13,9 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._validation import check_choice, check_int
 from ._schema import BUSY_TIMEOUT_MS, STATUSES, connect_for_reading, resolve_path, sqlite_uri
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["LossStats", "RunInfo", "Store", "delete_runs"]
+
+_T = TypeVar("_T")
 
 # A 'running' run whose heartbeat is older than this is shown as crashed.
 STALE_SECONDS = 300.0
@@ -266,10 +268,13 @@ class Store:
         return " AND ".join(where), params, limit
 
     @staticmethod
-    def _keep(runs: list[Any], status: str | None, last: int | None, info: Any) -> list[Any]:
+    def _keep(
+        items: list[_T], status: str | None, last: int | None, info: Callable[[_T], RunInfo]
+    ) -> list[_T]:
+        """The filters SQL could not apply: the effective status, then the newest ``last``."""
         if status is not None:
-            runs = [r for r in runs if info(r).status == status]
-        return runs[-last:] if last is not None else runs
+            items = [item for item in items if info(item).status == status]
+        return items[-last:] if last is not None else items
 
     def runs(
         self, name: str | None = None, status: str | None = None, last: int | None = None
