@@ -7,6 +7,7 @@ import io
 import json
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -205,7 +206,14 @@ def test_rm_without_an_answer_refuses(
     assert code == 2
     assert "no answer on stdin: nothing deleted; pass --yes" in err.splitlines()[-1]
     assert _names(db) == ["full", "steps-only", "lr=0.1"]
-    result = run_cli("rm", "2", "--db", str(db), timeout=60)  # stdin: none at all
+    result = subprocess.run(
+        [sys.executable, "-m", "stepwatch", "rm", "2", "--db", str(db)],
+        stdin=subprocess.DEVNULL,  # a script's empty stdin: EOF at once
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert _names(db) == ["full", "steps-only", "lr=0.1"]
 
@@ -348,8 +356,6 @@ def test_demo_on_a_missing_accelerator_is_one_line() -> None:
 
 
 def test_demo_does_not_import_the_cli() -> None:
-    import subprocess
-
     done = subprocess.run(
         [sys.executable, "-c", "import sys, stepwatch.demo; print('stepwatch.cli' in sys.modules)"],
         capture_output=True,
