@@ -15,6 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch._validation",
         "stepwatch._version",
         "stepwatch._format",
+        "stepwatch._lazy",
         "stepwatch._tensor",
         "stepwatch.monitor.*",
     ),

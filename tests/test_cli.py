@@ -21,6 +21,11 @@ def test_demo_trains_digits_past_ninety_percent(tmp_path: Path) -> None:
     assert accuracy > 0.9
     best = re.search(r"^best checkpoint: (\S+)$", out, re.M).group(1)  # type: ignore[union-attr]
     assert load_checkpoint(tmp_path / best)["epoch_complete"]
+    # The CLI prints the store's runs table from what the demo returns.
+    tail = out[out.index("\nrecorded as run 1 in stepwatch.db:\n") :].splitlines()
+    assert tail[2].split()[:4] == ["id", "name", "status", "steps"]
+    assert tail[3].split()[:3] == ["1", "digits-demo", "finished"]
+    assert tail[-1].startswith("look at it: stepwatch show 1  |  stepwatch export 1 ")
 
 
 def test_version_and_bad_arguments() -> None:

@@ -412,16 +412,18 @@ def test_cli_export_csv_json_tensorboard(two_runs: Path, tmp_path: Path) -> None
     rows = (tmp_path / "r.csv").read_text().splitlines()
     assert rows[0] == "key,step,epoch,time,value" and len(rows) > 12
     doc = json.loads((tmp_path / "r.json").read_text())
-    assert doc["run"]["name"] == "slow" and doc["metrics"]["loss"]["steps"] == list(range(1, 13))
+    # The per-step loss: 'step_loss', or 'loss' in stores written before that name.
+    step_key = "step_loss" if "step_loss" in doc["metrics"] else "loss"
+    assert doc["run"]["name"] == "slow" and doc["metrics"][step_key]["steps"] == list(range(1, 13))
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "1-slow"))  # one subfolder per run
     acc.Reload()
-    assert "loss" in acc.Tags()["scalars"]
-    assert [e.step for e in acc.Scalars("loss")] == list(range(1, 13))
+    assert step_key in acc.Tags()["scalars"]
+    assert [e.step for e in acc.Scalars(step_key)] == list(range(1, 13))
     with Store(two_runs) as store:
-        expected = store.metrics(1, "loss")[1]
-    np.testing.assert_allclose([e.value for e in acc.Scalars("loss")], expected, rtol=1e-6)
+        expected = store.metrics(1, step_key)[1]
+    np.testing.assert_allclose([e.value for e in acc.Scalars(step_key)], expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

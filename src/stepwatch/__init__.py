@@ -5,40 +5,47 @@ Quick start::
     from stepwatch import Model, LossMonitor, TimeMonitor
     model = Model(net, loss_fn, optimizer, metrics={"accuracy"})
     model.fit(10, train_ds, valid_ds, callbacks=[LossMonitor(100), TimeMonitor()])
+
+Importing ``stepwatch`` is cheap: a name is loaded on first use, so reading a run store never
+loads PyTorch.
 """
 
-from ._tensor import Tensor
-from .dataset import NumpySlicesDataset
-from .monitor import Every, RingBuffer
-from .store import RunRecorder, RunWriter, Store
-from .train import (
-    MAE,
-    MSE,
-    Accuracy,
-    BackupAndRestore,
-    Callback,
-    CheckpointConfig,
-    EarlyStopping,
-    History,
-    LambdaCallback,
-    Loss,
-    LossMonitor,
-    Metric,
-    Model,
-    ModelCheckpoint,
-    OnRequestExit,
-    Precision,
-    Recall,
-    ReduceLROnPlateau,
-    RunContext,
-    TimeMonitor,
-    TopKCategoricalAccuracy,
-    load_checkpoint,
-    save_checkpoint,
-)
-from .train.callback import CallbackParams
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from ._lazy import lazy_face
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from ._tensor import Tensor
+    from .dataset import NumpySlicesDataset
+    from .monitor import Every, RingBuffer
+    from .store import RunRecorder, RunWriter, Store
+    from .train import (
+        MAE,
+        MSE,
+        Accuracy,
+        BackupAndRestore,
+        Callback,
+        CheckpointConfig,
+        EarlyStopping,
+        History,
+        LambdaCallback,
+        Loss,
+        LossMonitor,
+        Metric,
+        Model,
+        ModelCheckpoint,
+        OnRequestExit,
+        Precision,
+        Recall,
+        ReduceLROnPlateau,
+        RunContext,
+        TimeMonitor,
+        TopKCategoricalAccuracy,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from .train.callback import CallbackParams
 
 __all__ = [
     "MAE",
@@ -74,3 +81,47 @@ __all__ = [
     "load_checkpoint",
     "save_checkpoint",
 ]
+
+# Importing the package loads none of these (nor PyTorch): each comes on first use.
+_TRAIN_NAMES = (
+    "MAE",
+    "MSE",
+    "Accuracy",
+    "BackupAndRestore",
+    "Callback",
+    "CheckpointConfig",
+    "EarlyStopping",
+    "History",
+    "LambdaCallback",
+    "Loss",
+    "LossMonitor",
+    "Metric",
+    "Model",
+    "ModelCheckpoint",
+    "OnRequestExit",
+    "Precision",
+    "Recall",
+    "ReduceLROnPlateau",
+    "RunContext",
+    "TimeMonitor",
+    "TopKCategoricalAccuracy",
+    "load_checkpoint",
+    "save_checkpoint",
+)
+__getattr__, __dir__ = lazy_face(
+    __name__,
+    globals(),
+    {
+        **dict.fromkeys(_TRAIN_NAMES, ".train"),
+        "CallbackParams": ".train.callback",
+        "Tensor": "._tensor",
+        "NumpySlicesDataset": ".dataset",
+        "Every": ".monitor",
+        "RingBuffer": ".monitor",
+        "RunRecorder": ".store",
+        "RunWriter": ".store",
+        "Store": ".store",
+    },
+    submodules=("dataset", "distributed", "monitor", "store", "train"),
+)
+del TYPE_CHECKING, lazy_face, _TRAIN_NAMES

@@ -1,19 +1,35 @@
-"""The ``stepwatch`` command: ``demo``, and the run store's ``runs``, ``show``, ``compare`` and
-``export``. Bad input (an unknown run, a missing or corrupt database) prints one line on stderr
-and exits with status 2."""
+"""The ``stepwatch`` command: ``demo``, and the run store's ``runs``, ``show``, ``compare``,
+``export`` and ``rm``.
+
+The read commands import only the store reader (no PyTorch), so they start in a fraction of a
+second; ``demo`` loads the trainer. Any failure prints one line on stderr and exits with
+status 2 (``STEPWATCH_DEBUG=1`` shows the traceback instead).
+"""
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import math
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import __version__
+from . import _format as fmt
+from ._version import __version__
+from .monitor.values import direction
+from .store._schema import STATUSES
+
+if TYPE_CHECKING:
+    from .store.reader import LossStats, RunInfo, Store
 
 __all__ = ["main"]
+
+LOSS_NOTE = (
+    "best/last loss: the epoch-mean training loss (key 'loss'); marked '*', the per-step "
+    "loss (key 'step_loss') of a run with no epoch mean yet"
+)
+STEP_LOSS_NOTE = "* per-step loss: the run has no epoch-mean loss (yet)"
 
 
 class _UsageError(Exception):
@@ -54,46 +70,36 @@ def _build_parser() -> argparse.ArgumentParser:
         )
         return p
 
-    with_db(sub.add_parser("runs", help="list the runs in the store"))
+    runs = with_db(sub.add_parser("runs", help="list the runs in the store", epilog=LOSS_NOTE))
+    runs.add_argument(
+        "--name", help="runs whose name contains this text, or matches it as a glob ('lr=*')"
+    )
+    runs.add_argument("--status", choices=STATUSES, help="runs with this status")
+    runs.add_argument("--last", type=_positive_int, metavar="N", help="the newest N runs")
     show = with_db(sub.add_parser("show", help="a run's summary and final metrics"))
     show.add_argument("run", help="run id or name")
-    compare = with_db(sub.add_parser("compare", help="final and best metrics side by side"))
+    compare = with_db(
+        sub.add_parser("compare", help="final and best metrics and config differences")
+    )
     compare.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
-    export = with_db(sub.add_parser("export", help="write a run as CSV, JSON or TensorBoard files"))
-    export.add_argument("run", help="run id or name")
+    export = with_db(sub.add_parser("export", help="write runs as CSV, JSON or TensorBoard files"))
+    export.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
     export.add_argument("--format", required=True, choices=("csv", "json", "tensorboard"))
-    export.add_argument("--out", required=True, help="output file (a folder for tensorboard)")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="output file; a folder for tensorboard (one subfolder <id>-<name> per run) "
+        "and for several csv/json runs (one file <id>-<name>.<format> per run)",
+    )
+    rm = with_db(sub.add_parser("rm", help="delete runs (asks first)"))
+    rm.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
+    rm.add_argument("--yes", "-y", action="store_true", help="do not ask")
     return parser
 
 
-def _fmt(value: Any, digits: int = 6) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-def _duration(seconds: float) -> str:
-    total = round(seconds)
-    h, rem = divmod(total, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [
-        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
-def _open_store(db: str | None) -> Any:
-    from .store import Store
+# -- reading ---------------------------------------------------------------------------------
+def _open_store(db: str | None) -> Store:
+    from .store.reader import Store
 
     try:
         return Store(db)
@@ -103,74 +109,102 @@ def _open_store(db: str | None) -> Any:
         raise _UsageError(str(exc)) from None
 
 
-def _run(store: Any, ref: str) -> Any:
+def _run(store: Store, ref: str) -> RunInfo:
     try:
         return store.run(ref)
     except KeyError:
-        known = ", ".join(str(r.id) for r in store.runs()[-10:]) or "none"
+        known = ", ".join(str(r.id) for r in store.runs(last=10)) or "none"
         raise _UsageError(f"no run {ref!r} in {store.path} (recent ids: {known})") from None
 
 
-def _loss_stats(summary: dict[str, dict[str, float]]) -> tuple[Any, Any]:
-    for key in ("epoch_loss", "loss"):
-        if key in summary:
-            return summary[key]["min"], summary[key]["last"]
-    return None, None
+def _loss_cells(loss: LossStats | None) -> tuple[str, str]:
+    if loss is None:
+        return "-", "-"
+    mark = "" if loss.epoch_mean else "*"
+    return fmt.number(loss.min) + mark, fmt.number(loss.last) + mark
 
 
-def cmd_runs(args: argparse.Namespace) -> int:
-    store = _open_store(args.db)
+def _runs_table(pairs: list[tuple[RunInfo, LossStats | None]]) -> str:
+    header = ["id", "name", "status", "steps", "best loss", "last loss", "duration", "started"]
     rows = []
-    for run in store.runs():
-        best, last = _loss_stats(store.summary(run.id))
+    for run, loss in pairs:
+        best, last = _loss_cells(loss)
         rows.append(
             [
                 str(run.id),
                 run.name,
                 run.status,
                 str(run.steps),
-                _fmt(best),
-                _fmt(last),
-                _duration(run.duration),
-                datetime.datetime.fromtimestamp(run.started).strftime("%Y-%m-%d %H:%M"),
+                best,
+                last,
+                fmt.duration(run.duration),
+                fmt.timestamp(run.started),
             ]
         )
-    if not rows:
-        print(f"no runs in {store.path}")
-        return 0
-    header = ["id", "name", "status", "steps", "best loss", "last loss", "duration", "started"]
-    print(_table(header, rows))
+    text = fmt.table(header, rows)
+    if any(loss is not None and not loss.epoch_mean for _, loss in pairs):
+        text += "\n" + STEP_LOSS_NOTE
+    return text
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    with _open_store(args.db) as store:
+        pairs = store.runs_summary(name=args.name, status=args.status, last=args.last)
+        if not pairs:
+            filtered = args.name is not None or args.status is not None
+            print(f"no runs{' match' if filtered else ''} in {store.path}")
+            return 0
+        print(_runs_table(pairs))
     return 0
 
 
-def _better(key: str) -> str:
-    lowered = key.lower()
-    return "min" if any(w in lowered for w in ("loss", "mae", "mse", "error", "time")) else "max"
+def _direction(key: str, run: RunInfo) -> str | None:
+    declared = run.config.get("directions")
+    return direction(key, declared if isinstance(declared, dict) else None)
+
+
+def _best(stats: dict[str, float], better: str | None) -> str:
+    return "-" if better is None else fmt.number(stats[better])
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store = _open_store(args.db)
-    run = _run(store, args.run)
+    with _open_store(args.db) as store:
+        run = _run(store, args.run)
+        summary = store.summary(run.id)
+        loss = store.loss_stats(run.id)
+        events = store.events(run.id)
     print(f"run {run.id}: {run.name}")
     print(f"  status    {run.status}")
-    print(f"  started   {datetime.datetime.fromtimestamp(run.started):%Y-%m-%d %H:%M:%S}")
-    print(f"  duration  {_duration(run.duration)}")
+    print(f"  started   {fmt.timestamp(run.started, with_seconds=True)}")
+    print(f"  duration  {fmt.duration(run.duration)}")
     print(f"  host/pid  {run.host}/{run.pid}")
     print(f"  steps     {run.steps}")
+    if loss is not None:
+        kind = "epoch mean" if loss.epoch_mean else "per step"
+        print(
+            f"  loss      best {fmt.number(loss.min)}, last {fmt.number(loss.last)} "
+            f"({kind}, key {loss.key!r})"
+        )
     if run.dropped:
         print(f"  dropped   {run.dropped} records")
     if run.config:
-        config = ", ".join(f"{k}={v}" for k, v in sorted(run.config.items()))
+        config = ", ".join(f"{k}={fmt.value(v)}" for k, v in sorted(run.config.items()))
         print(f"  config    {config}")
-    summary = store.summary(run.id)
     if summary:
-        rows = [
-            [key, _fmt(s["last"]), _fmt(s[_better(key)]), _better(key), str(s["count"])]
-            for key, s in summary.items()
-        ]
+        rows = []
+        for key, stats in summary.items():
+            better = _direction(key, run)
+            rows.append(
+                [
+                    key,
+                    fmt.number(stats["last"]),
+                    _best(stats, better),
+                    better or "-",
+                    str(stats["count"]),
+                ]
+            )
         print()
-        print(_table(["metric", "final", "best", "", "points"], rows))
-    events = store.events(run.id)
+        print(fmt.table(["metric", "final", "best", "better", "points"], rows))
     if events:
         print()
         for event in events[-10:]:
@@ -179,10 +213,22 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_differences(runs: list[RunInfo]) -> list[list[str]]:
+    missing = object()
+    keys = sorted(set().union(*(r.config for r in runs)))
+    rows = []
+    for key in keys:
+        found = [r.config.get(key, missing) for r in runs]
+        if all(v == found[0] and type(v) is type(found[0]) for v in found):
+            continue
+        rows.append([key, *("-" if v is missing else fmt.value(v) for v in found)])
+    return rows
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    store = _open_store(args.db)
-    runs = [_run(store, ref) for ref in args.runs]
-    summaries = [store.summary(r.id) for r in runs]
+    with _open_store(args.db) as store:
+        runs = [_run(store, ref) for ref in args.runs]
+        summaries = [store.summary(r.id) for r in runs]
     keys = sorted(set().union(*summaries))
     header = ["metric"]
     for r in runs:
@@ -190,56 +236,208 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rows = []
     for key in keys:
         row = [key]
-        for s in summaries:
-            stats = s.get(key)
-            row += [_fmt(stats["last"]), _fmt(stats[_better(key)])] if stats else ["-", "-"]
+        for run, summary in zip(runs, summaries):
+            stats = summary.get(key)
+            if stats is None:
+                row += ["-", "-"]
+            else:
+                row += [fmt.number(stats["last"]), _best(stats, _direction(key, run))]
         rows.append(row)
     rows.append(["status", *[x for r in runs for x in (r.status, "")]])
-    rows.append(["duration", *[x for r in runs for x in (_duration(r.duration), "")]])
-    print(_table(header, rows))
+    rows.append(["duration", *[x for r in runs for x in (fmt.duration(r.duration), "")]])
+    print(fmt.table(header, rows))
+    differences = _config_differences(runs)
+    print()
+    if differences:
+        names = [f"{r.id}:{r.name}" for r in runs]
+        print(fmt.table(["config", *names], differences))
+    else:
+        print("config: the same in every run")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .store.export import export_run
+    from .store.export import export_run, run_label
 
-    store = _open_store(args.db)
-    run = _run(store, args.run)
-    try:
-        path = export_run(store, run.id, args.format, args.out)
-    except ImportError as exc:
-        raise _UsageError(str(exc)) from None
-    except OSError as exc:
-        raise _UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
-    print(f"exported run {run.id} ({args.format}) to {path}")
+    with _open_store(args.db) as store:
+        runs = [_run(store, ref) for ref in dict.fromkeys(args.runs)]
+        out = Path(args.out)
+        if out.exists() and not out.is_dir() and (len(runs) > 1 or args.format == "tensorboard"):
+            raise _UsageError(f"--out {args.out} is a file; pass a folder")
+        for run in runs:
+            target = out
+            if len(runs) > 1 and args.format != "tensorboard":
+                target = out / f"{run_label(run)}.{args.format}"
+            try:
+                path = export_run(store, run.id, args.format, target)
+            except ImportError as exc:
+                raise _UsageError(str(exc)) from None
+            except OSError as exc:
+                raise _UsageError(f"cannot write {target}: {exc.strerror or exc}") from None
+            print(f"exported run {run.id} ({args.format}) to {path}")
     return 0
 
 
+# -- deleting --------------------------------------------------------------------------------
+def _confirm(question: str) -> bool:
+    """Ask on stderr, read one line of stdin; no stdin at all is a usage error."""
+    print(question, end=" ", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline() if sys.stdin is not None else ""
+    except (OSError, ValueError):
+        answer = ""
+    if not answer:
+        print(file=sys.stderr)
+        raise _UsageError("no answer on stdin: nothing deleted; pass --yes to delete unasked")
+    return answer.strip().lower() in ("y", "yes")
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    from .store.reader import delete_runs
+
+    with _open_store(args.db) as store:
+        runs = {r.id: r for r in (_run(store, ref) for ref in args.runs)}
+        path = store.path
+    live = [f"{r.id} ({r.name})" for r in runs.values() if r.status == "running"]
+    if live:
+        raise _UsageError(f"run {', '.join(live)} is still running; nothing deleted")
+    listed = ", ".join(f"{r.id} ({r.name}, {r.status}, {r.steps} steps)" for r in runs.values())
+    if not args.yes and not _confirm(f"delete run {listed} from {path}? [y/N]"):
+        print("nothing deleted")
+        return 1
+    try:
+        deleted = delete_runs(path, list(runs))
+    except ValueError as exc:  # started running since we looked
+        raise _UsageError(f"{exc}; nothing deleted") from None
+    for run in deleted:
+        print(f"deleted run {run.id} ({run.name})")
+    return 0
+
+
+# -- the demo --------------------------------------------------------------------------------
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _check_can_create_in(folder: Path, what: str) -> None:
+    """The nearest existing folder at or above ``folder`` is one we can create files in."""
+    import tempfile
+
+    base = _nearest_existing(folder)
+    if not base.is_dir():
+        raise _UsageError(f"{what}: {base} is not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=base):
+            pass
+    except OSError as exc:
+        raise _UsageError(f"{what}: cannot create files in {base} ({exc.strerror})") from None
+
+
+def _check_demo_paths(args: argparse.Namespace) -> None:
+    from .store._schema import resolve_path
+
+    db = resolve_path(args.db)
+    if db.exists() and not db.is_file():
+        raise _UsageError(f"--db {db} is not a file")
+    _check_can_create_in(db.parent, f"--db {db}")
+    checkpoints = Path(args.checkpoint_dir)
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise _UsageError(f"--checkpoint-dir {checkpoints} is a file; pass a folder")
+    _check_can_create_in(checkpoints, f"--checkpoint-dir {checkpoints}")
+
+
+def _check_device(text: str) -> None:
+    """The device string parses and that device is present (this imports torch)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise _UsageError(
+            f"--device {text!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)"
+        ) from None
+    if device.type == "cpu":
+        return
+    if device.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        backend = getattr(torch, device.type, None)
+        is_available = getattr(backend, "is_available", None)
+        if is_available is None:
+            raise _UsageError(f"--device {text!r}: stepwatch cannot train on {device.type!r}")
+        available = bool(is_available())
+        count = int(getattr(backend, "device_count", lambda: 1)()) if available else 0
+    if not available:
+        raise _UsageError(f"--device {text!r}: no {device.type} device on this machine")
+    if device.index is not None and device.index >= count:
+        raise _UsageError(f"--device {text!r}: this machine has {count} {device.type} device(s)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _check_demo_paths(args)
+    if args.device is not None:
+        _check_device(args.device)
+    from .demo import run_demo
+
+    result = run_demo(
+        epochs=args.epochs,
+        seed=args.seed,
+        device=args.device,
+        checkpoint_dir=args.checkpoint_dir,
+        db=args.db,
+    )
+    db, run_id = result.get("db"), result.get("run_id")
+    if db is None or run_id is None:
+        return 0
+    print(f"\nrecorded as run {run_id} in {db}:")
+    with _open_store(str(db)) as store:
+        print(_runs_table(store.runs_summary(last=5)))
+    db_arg = f" --db {args.db}" if args.db else ""
+    print(
+        f"\nlook at it: stepwatch show {run_id}{db_arg}"
+        f"  |  stepwatch export {run_id} --format csv --out run.csv{db_arg}"
+    )
+    return 0
+
+
+COMMANDS = {
+    "demo": cmd_demo,
+    "runs": cmd_runs,
+    "show": cmd_show,
+    "compare": cmd_compare,
+    "export": cmd_export,
+    "rm": cmd_rm,
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = " ".join(str(text).split())
+    return text if isinstance(exc, _UsageError) else f"{type(exc).__name__}: {text}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
-        if args.command == "demo":
-            from .demo import run_demo
-
-            run_demo(
-                epochs=args.epochs,
-                seed=args.seed,
-                device=args.device,
-                checkpoint_dir=args.checkpoint_dir,
-                db=args.db,
-            )
-            return 0
-        command = {"runs": cmd_runs, "show": cmd_show, "compare": cmd_compare, "export": cmd_export}
-        return command[args.command](args)
-    except _UsageError as exc:
-        print(f"stepwatch {args.command}: {exc}", file=sys.stderr)
-        return 2
+        return COMMANDS[args.command](args)
     except BrokenPipeError:  # pragma: no cover - e.g. piped into head
         return 0
+    except KeyboardInterrupt:
+        print(f"stepwatch {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if os.environ.get("STEPWATCH_DEBUG") and not isinstance(exc, _UsageError):
+            raise
+        print(f"stepwatch {args.command}: {_one_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -61,7 +61,12 @@ def run_demo(
     checkpoint_dir: str = "checkpoints",
     db: str | None = None,
 ) -> dict[str, Any]:
-    """Train the digits classifier and return the final validation metrics and the history.
+    """Train the digits classifier; return what it produced.
+
+    Returns:
+        ``{"metrics": final validation metrics, "history": the History callback,
+        "best_checkpoint": its file name, "run_id": the run's id in the store, "db": the
+        store's path}``. ``stepwatch demo`` prints the store's runs table from these.
 
     Early stopping ends the run when the validation loss stalls, the learning rate halves on a
     plateau, and the best model (by validation accuracy) is kept in ``checkpoint_dir``. The
@@ -112,21 +117,10 @@ def run_demo(
         flush=True,
     )
     print(f"best checkpoint: {best.best_ckpt_file_name}", flush=True)
-    db_path = recorder.writer.path if recorder.writer is not None else None
-    if db_path is not None:
-        from .cli import main as cli_main
-
-        db_arg = [] if db is None else ["--db", str(db)]
-        print(f"\nrecorded as run {recorder.run_id} in {db_path}:", flush=True)
-        cli_main(["runs", *db_arg])
-        print(
-            f"\nlook at it: stepwatch show {recorder.run_id}{' --db ' + str(db) if db else ''}"
-            f"  |  stepwatch export {recorder.run_id} --format csv --out run.csv",
-            flush=True,
-        )
     return {
         "metrics": final,
         "history": history,
         "best_checkpoint": best.best_ckpt_file_name,
         "run_id": recorder.run_id,
+        "db": recorder.writer.path if recorder.writer is not None else None,
     }

@@ -99,15 +99,38 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def sqlite_uri(path: Path, mode: str, immutable: bool = False) -> str:
+    """A ``file:`` URI for ``path`` (any characters in the name are escaped)."""
+    uri = f"{path.resolve().as_uri()}?mode={mode}"
+    return uri + "&immutable=1" if immutable else uri
+
+
 def connect_for_reading(path: Path) -> sqlite3.Connection:
-    """Open an existing database read-only; never creates a file."""
+    """Open an existing database for reading; never creates or changes a file.
+
+    A database we may write is opened read-write with ``PRAGMA query_only``: SQLite then
+    deletes the ``-wal``/``-shm`` files it creates for a WAL database when the last connection
+    closes, as it does for writers (a ``mode=ro`` connection would leave them behind). A file
+    we may not write is opened ``mode=ro``, and ``immutable`` when no ``-wal`` file exists:
+    then no writer can be using it and SQLite needs no lock files.
+    """
     if not path.is_file():
         raise FileNotFoundError(f"no stepwatch database at {str(path)!r}")
+    folder = path.resolve().parent
+    if os.access(path, os.W_OK) and os.access(folder, os.W_OK | os.X_OK):
+        uri = sqlite_uri(path, "rw")
+    else:
+        uri = sqlite_uri(path, "ro", immutable=not Path(f"{path}-wal").exists())
     conn = sqlite3.connect(
-        f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000, check_same_thread=False
+        uri,
+        uri=True,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
+        check_same_thread=False,  # the Store's lock serialises threads
     )
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA query_only = ON")
         row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
     except sqlite3.DatabaseError as exc:
         conn.close()

@@ -6,18 +6,34 @@ import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
-from .reader import Store
+from .reader import RunInfo, Store
 
-__all__ = ["FORMATS", "export_run"]
+__all__ = ["FORMATS", "export_run", "run_label"]
 
 FORMATS = ("csv", "json", "tensorboard")
 
 
-def _json_value(value: float) -> float | None:
-    return None if math.isnan(value) else value
+def run_label(info: RunInfo) -> str:
+    """``<id>-<name>``, safe as a file or folder name (other characters become ``_``)."""
+    return f"{info.id}-" + re.sub(r"[^A-Za-z0-9._=+-]+", "_", info.name).strip("_.")
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats made JSON: NaN -> null, +-inf -> "Infinity"/"-Infinity"
+    (the spellings JavaScript's ``Number()`` and Python's ``float()`` read back)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            return None
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def export_run(store: Store, run: int | str, fmt: str, out: str | os.PathLike[str]) -> Path:
@@ -25,8 +41,10 @@ def export_run(store: Store, run: int | str, fmt: str, out: str | os.PathLike[st
 
     * ``csv``: one row per point: ``key,step,epoch,time,value``.
     * ``json``: ``{"run": {...}, "metrics": {key: {"steps", "epochs", "times", "values"}},
-      "events": [...]}`` (NaN becomes null).
-    * ``tensorboard``: event files in the folder ``out``, readable by TensorBoard (written with
+      "events": [...]}``. Strict JSON: NaN becomes null, +-infinity the strings
+      ``"Infinity"`` / ``"-Infinity"`` (anywhere: values, config, event data).
+    * ``tensorboard``: event files in the folder ``out/<id>-<name>`` (see :func:`run_label`),
+      so runs exported to one ``out`` stay apart in TensorBoard (written with
       ``torch.utils.tensorboard``, which needs the ``tensorboard`` package).
 
     Raises:
@@ -54,7 +72,7 @@ def export_run(store: Store, run: int | str, fmt: str, out: str | os.PathLike[st
             m["steps"].append(step)
             m["epochs"].append(epoch)
             m["times"].append(stamp)
-            m["values"].append(_json_value(value))
+            m["values"].append(value)
         document = {
             "run": {
                 "id": info.id,
@@ -70,7 +88,7 @@ def export_run(store: Store, run: int | str, fmt: str, out: str | os.PathLike[st
             "events": store.events(info.id),
         }
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(document, indent=1, allow_nan=False))
+        path.write_text(json.dumps(_json_safe(document), indent=1, allow_nan=False))
         return path
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -79,6 +97,7 @@ def export_run(store: Store, run: int | str, fmt: str, out: str | os.PathLike[st
             "exporting to TensorBoard needs the tensorboard package: "
             "pip install 'stepwatch[export]'"
         ) from exc
+    path = path / run_label(info)
     path.mkdir(parents=True, exist_ok=True)
     tb = SummaryWriter(log_dir=str(path))
     try:

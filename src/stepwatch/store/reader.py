@@ -1,24 +1,41 @@
-"""``Store``: read runs, metrics and events back from the database (read-only)."""
+"""``Store``: read runs, metrics and events back from the database; ``delete_runs``.
+
+Nothing here imports PyTorch, and NumPy is loaded only by :meth:`Store.metrics`: the CLI's read
+commands and a dashboard start in a fraction of a second.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import socket
+import sqlite3
+import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
+from .._validation import check_choice, check_int
+from ._schema import BUSY_TIMEOUT_MS, STATUSES, connect_for_reading, resolve_path, sqlite_uri
 
-from .._validation import check_int
-from ._schema import connect_for_reading, resolve_path
+if TYPE_CHECKING:
+    import numpy as np
 
-__all__ = ["RunInfo", "Store"]
+__all__ = ["LossStats", "RunInfo", "Store", "delete_runs"]
+
+_T = TypeVar("_T")
 
 # A 'running' run whose heartbeat is older than this is shown as crashed.
 STALE_SECONDS = 300.0
+
+# The loss keys, newest naming first. ``loss`` is the epoch-mean training loss and
+# ``step_loss`` the per-step loss; stores written before that naming kept the epoch mean as
+# ``epoch_loss`` and the per-step loss as ``loss``.
+LOSS = "loss"
+STEP_LOSS = "step_loss"
+LEGACY_EPOCH_LOSS = "epoch_loss"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -58,17 +75,108 @@ class RunInfo:
         return max(0.0, end - self.started)
 
 
+@dataclass(frozen=True)
+class LossStats:
+    """The training loss of one run, summarised: what ``stepwatch runs`` shows.
+
+    Attributes:
+        key: the store key summarised: ``loss`` (the epoch-mean training loss) when the run
+            has one, else the per-step loss (``step_loss``, or ``loss`` in stores written
+            before the epoch mean took that name; ``epoch_loss`` is their epoch mean).
+        epoch_mean: True when ``key`` holds one mean per epoch, False for per-step losses.
+        last: the value at the highest step. min: the smallest value (NaN if none is a number).
+        count: points recorded. last_step: the highest step.
+    """
+
+    key: str
+    epoch_mean: bool
+    last: float
+    min: float
+    count: int
+    last_step: int
+
+
 def effective_status(status: str, host: str, pid: int, heartbeat: float) -> str:
     if status != "running":
         return status
+    import socket  # only for live-looking runs: the CLI starts faster without it
+
     stale = time.time() - heartbeat > STALE_SECONDS
     if host == socket.gethostname():
         return "crashed" if stale or not _pid_alive(pid) else "running"
     return "crashed" if stale else "running"
 
 
+def _nan(value: float | None) -> float:
+    return math.nan if value is None else float(value)
+
+
+# Columns of a run; ``steps`` is the largest step of any key, found with one index lookup per
+# key rather than a scan of the run's points.
+_RUN_COLUMNS = (
+    "r.id, r.name, r.status, r.started, r.ended, r.host, r.pid, r.config, r.heartbeat, "
+    "r.dropped, (SELECT MAX((SELECT MAX(p.step) FROM points p WHERE p.run = r.id "
+    "AND p.key = k.id)) FROM keys k)"
+)
+
+# Which loss a run is summarised by, per run, in SQL: the legacy epoch mean, else ``loss``,
+# else ``step_loss``. ``loss`` alone (no ``step_loss`` beside it) holds epoch means only if it
+# has at most one point per epoch; otherwise it is a legacy per-step loss.
+_LOSS_SQL = f"""
+WITH ids AS (SELECT
+    (SELECT id FROM keys WHERE name = '{LOSS}') AS loss,
+    (SELECT id FROM keys WHERE name = '{STEP_LOSS}') AS step_loss,
+    (SELECT id FROM keys WHERE name = '{LEGACY_EPOCH_LOSS}') AS legacy),
+r AS (SELECT runs.*, ids.step_loss AS step_loss_key, CASE
+        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.legacy)
+            THEN ids.legacy
+        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.loss) THEN ids.loss
+        ELSE ids.step_loss END AS lk
+    FROM runs, ids WHERE {{where}} ORDER BY runs.id DESC {{limit}})
+SELECT {_RUN_COLUMNS},
+    (SELECT name FROM keys WHERE id = r.lk),
+    (SELECT COUNT(*) FROM points WHERE run = r.id AND key = r.lk),
+    (SELECT COUNT(DISTINCT epoch) FROM points WHERE run = r.id AND key = r.lk),
+    (SELECT MIN(value) FROM points WHERE run = r.id AND key = r.lk),
+    (SELECT value FROM points WHERE run = r.id AND key = r.lk ORDER BY step DESC, rowid DESC
+        LIMIT 1),
+    (SELECT MAX(step) FROM points WHERE run = r.id AND key = r.lk),
+    EXISTS (SELECT 1 FROM points WHERE run = r.id AND key = r.step_loss_key)
+FROM r ORDER BY r.id
+"""
+
+
+def _loss_stats(row: Sequence[Any]) -> LossStats | None:
+    key, count, epochs, vmin, last, last_step, has_step_loss = row
+    if not key or not count:
+        return None
+    if key == LEGACY_EPOCH_LOSS:
+        epoch_mean = True
+    elif key == LOSS:
+        epoch_mean = bool(has_step_loss) or count <= epochs
+    else:
+        epoch_mean = False
+    return LossStats(key, epoch_mean, _nan(last), _nan(vmin), int(count), int(last_step))
+
+
+def _glob(pattern: str) -> bool:
+    return any(c in pattern for c in "*?[")
+
+
 class Store:
     """Read access to a stepwatch database.
+
+    Opening a store never creates the file and never changes it. A writable database is
+    opened read-write with ``PRAGMA query_only`` (writes are refused), so that SQLite removes
+    the ``-wal``/``-shm`` files it needs on close, as it does for its writers: reading leaves
+    no files behind. A file you cannot write is opened with ``mode=ro`` (``immutable`` when no
+    ``-wal`` file shows a writer). A run being recorded is read live: every call sees the
+    data committed so far.
+
+    Threads: one ``Store`` may be shared by several threads. Each call holds the store's lock
+    while it runs and reads from one snapshot (one read transaction), so calls from different
+    threads take turns and a call never mixes two states of a live database. For reads that
+    run in parallel, open one ``Store`` per thread.
 
     Args:
         path: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
@@ -80,15 +188,18 @@ class Store:
     Example:
         >>> store = Store("stepwatch.db")
         >>> run = store.runs()[-1]
-        >>> steps, losses = store.metrics(run.id, "loss", max_points=500)
+        >>> steps, losses = store.metrics(run.id, "step_loss", max_points=500)
+        >>> new_steps, new_losses = store.metrics(run.id, "step_loss", after=steps[-1])
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = resolve_path(path)
         self._conn = connect_for_reading(self.path)
+        self._lock = threading.RLock()
 
     def close(self) -> None:
-        self._conn.close()
+        with self._lock:
+            self._conn.close()
 
     def __enter__(self) -> Store:
         return self
@@ -96,8 +207,22 @@ class Store:
     def __exit__(self, *err: Any) -> None:
         self.close()
 
+    @contextlib.contextmanager
+    def _snapshot(self) -> Iterator[sqlite3.Connection]:
+        """The connection, locked, inside one read transaction (nested calls share it)."""
+        with self._lock:
+            conn = self._conn
+            if conn.in_transaction:
+                yield conn
+                return
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                conn.execute("COMMIT")
+
     # -- runs -------------------------------------------------------------------------------
-    def _info(self, row: tuple[Any, ...]) -> RunInfo:
+    def _info(self, row: Sequence[Any]) -> RunInfo:
         rid, name, status, started, ended, host, pid, config, heartbeat, dropped, steps = row
         try:
             cfg = json.loads(config)
@@ -114,19 +239,87 @@ class Store:
             pid=pid,
             heartbeat=heartbeat,
             dropped=dropped,
-            config=cfg,
+            config=cfg if isinstance(cfg, dict) else {},
             steps=int(steps or 0),
         )
 
-    _RUN_COLUMNS = (
-        "r.id, r.name, r.status, r.started, r.ended, r.host, r.pid, r.config, r.heartbeat, "
-        "r.dropped, (SELECT MAX(step) FROM points p WHERE p.run = r.id)"
-    )
+    @staticmethod
+    def _filters(
+        name: str | None, status: str | None, last: int | None
+    ) -> tuple[str, list[Any], str]:
+        """``(where, params, limit)`` SQL for the run filters (on a table called ``runs``)."""
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"'name' must be a str or None, but got {name!r}.")
+        if status is not None:
+            check_choice("status", status, STATUSES)
+        check_int("last", last, minimum=1, allow_none=True)
+        where, params = ["1"], []
+        if name is not None:
+            where.append("runs.name GLOB ?" if _glob(name) else "instr(runs.name, ?) > 0")
+            params.append(name)
+        if status in ("running", "crashed"):
+            # A crashed run is stored as 'running'; its effective status is decided in Python.
+            where.append("runs.status IN ('running', 'crashed')")
+        elif status is not None:
+            where.append("runs.status = ?")
+            params.append(status)
+        # With a status filter, 'last' applies after the effective status is known.
+        limit = f"LIMIT {int(last)}" if last is not None and status is None else ""
+        return " AND ".join(where), params, limit
 
-    def runs(self) -> list[RunInfo]:
-        """Every run, oldest first."""
-        rows = self._conn.execute(f"SELECT {self._RUN_COLUMNS} FROM runs r ORDER BY r.id")
-        return [self._info(row) for row in rows]
+    @staticmethod
+    def _keep(
+        items: list[_T], status: str | None, last: int | None, info: Callable[[_T], RunInfo]
+    ) -> list[_T]:
+        """The filters SQL could not apply: the effective status, then the newest ``last``."""
+        if status is not None:
+            items = [item for item in items if info(item).status == status]
+        return items[-last:] if last is not None else items
+
+    def runs(
+        self, name: str | None = None, status: str | None = None, last: int | None = None
+    ) -> list[RunInfo]:
+        """The runs, oldest first, optionally filtered.
+
+        Args:
+            name: keep runs whose name contains this text, or matches it as a glob pattern
+                when it holds ``*``, ``?`` or ``[`` (case-sensitive; ``'lr=*'``).
+            status: keep runs with this status (``running``, ``finished``, ``failed``,
+                ``interrupted``, ``crashed``; a dead ``running`` run counts as crashed).
+            last: keep only the newest ``last`` runs (after the other filters).
+        """
+        where, params, limit = self._filters(name, status, last)
+        with self._snapshot() as conn:
+            rows = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM (SELECT * FROM runs WHERE {where} "
+                f"ORDER BY id DESC {limit}) r ORDER BY r.id",
+                params,
+            ).fetchall()
+        return self._keep([self._info(row) for row in rows], status, last, lambda r: r)
+
+    def runs_summary(
+        self, name: str | None = None, status: str | None = None, last: int | None = None
+    ) -> list[tuple[RunInfo, LossStats | None]]:
+        """Each run (filtered as in :meth:`runs`) with its training loss summarised, in one
+        query: ``[(run, LossStats or None), ...]``, oldest first. See :class:`LossStats` for
+        which loss key a run is summarised by."""
+        where, params, limit = self._filters(name, status, last)
+        sql = _LOSS_SQL.format(where=where, limit=limit)
+        with self._snapshot() as conn:
+            rows = conn.execute(sql, params).fetchall()
+        pairs = [(self._info(row[:11]), _loss_stats(row[11:])) for row in rows]
+        return self._keep(pairs, status, last, lambda pair: pair[0])
+
+    def loss_stats(self, run: int | str) -> LossStats | None:
+        """The run's training loss summarised as in :meth:`runs_summary` (None if it has none).
+
+        Raises:
+            KeyError: no such run.
+        """
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            row = conn.execute(_LOSS_SQL.format(where="runs.id = ?", limit=""), (rid,)).fetchone()
+        return _loss_stats(row[11:])
 
     def run(self, run: int | str) -> RunInfo:
         """A run by id (an int or a string of digits) or by name (the newest with that name).
@@ -136,14 +329,11 @@ class Store:
         """
         if isinstance(run, bool) or not isinstance(run, (int, str)):
             raise TypeError(f"'run' must be a run id or name, but got {run!r}.")
-        if isinstance(run, int) or run.isdigit():
-            row = self._conn.execute(
-                f"SELECT {self._RUN_COLUMNS} FROM runs r WHERE r.id = ?", (int(run),)
-            ).fetchone()
-        else:
-            row = self._conn.execute(
-                f"SELECT {self._RUN_COLUMNS} FROM runs r WHERE r.name = ? ORDER BY r.id DESC",
-                (run,),
+        by_id = isinstance(run, int) or run.isdigit()
+        where = "r.id = ?" if by_id else "r.name = ? ORDER BY r.id DESC"
+        with self._snapshot() as conn:
+            row = conn.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE {where}", (int(run) if by_id else run,)
             ).fetchone()
         if row is None:
             raise KeyError(f"no run {run!r} in {str(self.path)!r}")
@@ -152,109 +342,137 @@ class Store:
     # -- metrics ----------------------------------------------------------------------------
     def keys(self, run: int | str) -> list[str]:
         """The metric names recorded for ``run``."""
-        rid = self.run(run).id
-        rows = self._conn.execute(
-            "SELECT k.name FROM keys k WHERE EXISTS "
-            "(SELECT 1 FROM points p WHERE p.run = ? AND p.key = k.id) ORDER BY k.name",
-            (rid,),
-        )
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            rows = conn.execute(
+                "SELECT k.name FROM keys k WHERE EXISTS "
+                "(SELECT 1 FROM points p WHERE p.run = ? AND p.key = k.id) ORDER BY k.name",
+                (rid,),
+            ).fetchall()
         return [r[0] for r in rows]
 
-    def _key_id(self, key: str) -> int | None:
-        row = self._conn.execute("SELECT id FROM keys WHERE name = ?", (key,)).fetchone()
-        return None if row is None else int(row[0])
-
     def metrics(
-        self, run: int | str, key: str, max_points: int | None = None
+        self,
+        run: int | str,
+        key: str,
+        max_points: int | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        after: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` of one metric as NumPy arrays, ordered by step.
 
-        With ``max_points``, the step range is cut into ``max_points // 2`` buckets and each
-        bucket keeps its minimum and its maximum, so a one-step spike survives any
-        downsampling (a bucket holding NaNs keeps one NaN too).
+        Args:
+            run: run id or name.
+            key: the metric's store key (see :meth:`keys`).
+            max_points: downsample to about this many points: the selected step range is cut
+                into ``max_points // 2`` buckets and each bucket keeps its minimum and its
+                maximum, so a one-step spike survives any downsampling (a bucket holding NaNs
+                keeps one NaN too).
+            start, end: only steps with ``start <= step <= end`` (either may be None).
+            after: only steps ``> after``. To follow a live run, pass the last step you
+                have: ``metrics(run, key, after=steps[-1])`` returns just the new points
+                (empty arrays when there are none yet).
 
         Raises:
-            KeyError: no such run or key.
+            KeyError: no such run, or the run never recorded ``key``.
         """
-        rid = self.run(run).id
+        import numpy as np
+
         check_int("max_points", max_points, minimum=2, allow_none=True)
-        key_id = self._key_id(key)
-        if key_id is None:
-            raise KeyError(f"run {rid} has no metric {key!r}; see Store.keys({rid})")
-        where = "run = ? AND key = ?"
-        count, lo, hi = self._conn.execute(
-            f"SELECT COUNT(*), MIN(step), MAX(step) FROM points WHERE {where}", (rid, key_id)
-        ).fetchone()
-        if count == 0:
-            raise KeyError(f"run {rid} has no metric {key!r}; see Store.keys({rid})")
-        if max_points is None or count <= max_points:
-            rows = self._conn.execute(
-                f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", (rid, key_id)
-            ).fetchall()
-        else:
-            buckets = max(1, max_points // 2)
-            width = (hi - lo) // buckets + 1
-            bucket = f"(step - {int(lo)}) / {int(width)}"
-            # SQLite returns the row holding the MIN/MAX for the bare 'step' column.
-            rows = self._conn.execute(
-                f"SELECT step, MIN(value) FROM points WHERE {where} AND value IS NOT NULL "
-                f"GROUP BY {bucket} "
-                f"UNION SELECT step, MAX(value) FROM points WHERE {where} AND value IS NOT NULL "
-                f"GROUP BY {bucket} "
-                f"UNION SELECT MIN(step), NULL FROM points WHERE {where} AND value IS NULL "
-                f"GROUP BY {bucket} ORDER BY 1",
-                (rid, key_id, rid, key_id, rid, key_id),
-            ).fetchall()
+        check_int("start", start, allow_none=True)
+        check_int("end", end, allow_none=True)
+        check_int("after", after, allow_none=True)
+        if not isinstance(key, str):
+            raise TypeError(f"'key' must be a str, but got {key!r}.")
+        where, params = "run = ? AND key = ?", []
+        for op, bound in ((">=", start), ("<=", end), (">", after)):
+            if bound is not None:
+                where += f" AND step {op} ?"
+                params.append(bound)
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            key_row = conn.execute("SELECT id FROM keys WHERE name = ?", (key,)).fetchone()
+            args = (rid, -1 if key_row is None else key_row[0], *params)
+            count, lo, hi = conn.execute(
+                f"SELECT COUNT(*), MIN(step), MAX(step) FROM points WHERE {where}", args
+            ).fetchone()
+            if count == 0:
+                if (
+                    key_row is None
+                    or conn.execute(
+                        "SELECT 1 FROM points WHERE run = ? AND key = ? LIMIT 1", args[:2]
+                    ).fetchone()
+                    is None
+                ):
+                    raise KeyError(f"run {rid} has no metric {key!r}; see Store.keys({rid})")
+                rows: list[Any] = []
+            elif max_points is None or count <= max_points:
+                rows = conn.execute(
+                    f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", args
+                ).fetchall()
+            else:
+                buckets = max(1, max_points // 2)
+                width = (hi - lo) // buckets + 1
+                bucket = f"(step - {int(lo)}) / {int(width)}"
+                # SQLite returns the row holding the MIN/MAX for the bare 'step' column.
+                rows = conn.execute(
+                    f"SELECT step, MIN(value) FROM points WHERE {where} AND value IS NOT NULL "
+                    f"GROUP BY {bucket} "
+                    f"UNION SELECT step, MAX(value) FROM points WHERE {where} "
+                    f"AND value IS NOT NULL GROUP BY {bucket} "
+                    f"UNION SELECT MIN(step), NULL FROM points WHERE {where} AND value IS NULL "
+                    f"GROUP BY {bucket} ORDER BY 1",
+                    args * 3,
+                ).fetchall()
         steps = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-        values = np.fromiter(
-            (math.nan if r[1] is None else r[1] for r in rows), dtype=np.float64, count=len(rows)
-        )
+        values = np.fromiter((_nan(r[1]) for r in rows), dtype=np.float64, count=len(rows))
         return steps, values
 
     def summary(self, run: int | str) -> dict[str, dict[str, float]]:
         """Per metric: ``last``, ``min``, ``max``, ``count`` and the ``last_step``."""
-        rid = self.run(run).id
-        rows = self._conn.execute(
-            "SELECT k.name, COUNT(*), MIN(p.value), MAX(p.value), MAX(p.step) "
-            "FROM points p JOIN keys k ON k.id = p.key WHERE p.run = ? GROUP BY k.name "
-            "ORDER BY k.name",
-            (rid,),
-        ).fetchall()
-        result: dict[str, dict[str, float]] = {}
-        for name, count, vmin, vmax, last_step in rows:
-            last = self._conn.execute(
-                "SELECT value FROM points WHERE run = ? AND key = (SELECT id FROM keys WHERE "
-                "name = ?) ORDER BY step DESC, rowid DESC LIMIT 1",
-                (rid, name),
-            ).fetchone()[0]
-            result[name] = {
-                "last": math.nan if last is None else last,
-                "min": math.nan if vmin is None else vmin,
-                "max": math.nan if vmax is None else vmax,
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            rows = conn.execute(
+                "SELECT k.name, COUNT(*), MIN(p.value), MAX(p.value), MAX(p.step), "
+                "(SELECT q.value FROM points q WHERE q.run = p.run AND q.key = p.key "
+                "ORDER BY q.step DESC, q.rowid DESC LIMIT 1) "
+                "FROM points p JOIN keys k ON k.id = p.key WHERE p.run = ? GROUP BY p.key "
+                "ORDER BY k.name",
+                (rid,),
+            ).fetchall()
+        return {
+            name: {
+                "last": _nan(last),
+                "min": _nan(vmin),
+                "max": _nan(vmax),
                 "count": count,
                 "last_step": last_step,
             }
-        return result
+            for name, count, vmin, vmax, last_step, last in rows
+        }
 
     def points(self, run: int | str) -> list[tuple[str, int, int | None, float, float]]:
         """Every point of a run as ``(key, step, epoch, time, value)``, ordered by key, step."""
-        rid = self.run(run).id
-        rows = self._conn.execute(
-            "SELECT k.name, p.step, p.epoch, p.time, p.value FROM points p "
-            "JOIN keys k ON k.id = p.key WHERE p.run = ? ORDER BY k.name, p.step, p.rowid",
-            (rid,),
-        ).fetchall()
-        return [(k, s, e, t, math.nan if v is None else v) for k, s, e, t, v in rows]
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            rows = conn.execute(
+                "SELECT k.name, p.step, p.epoch, p.time, p.value FROM points p "
+                "JOIN keys k ON k.id = p.key WHERE p.run = ? ORDER BY k.name, p.step, p.rowid",
+                (rid,),
+            ).fetchall()
+        return [(k, s, e, t, _nan(v)) for k, s, e, t, v in rows]
 
     # -- events -----------------------------------------------------------------------------
     def events(self, run: int | str) -> list[dict[str, Any]]:
         """The run's events (alerts, notes, checkpoints, stop reasons), oldest first."""
-        rid = self.run(run).id
-        rows = self._conn.execute(
-            "SELECT step, epoch, time, kind, level, message, data FROM events WHERE run = ? "
-            "ORDER BY id",
-            (rid,),
-        ).fetchall()
+        with self._snapshot() as conn:
+            rid = self.run(run).id
+            rows = conn.execute(
+                "SELECT step, epoch, time, kind, level, message, data FROM events WHERE run = ? "
+                "ORDER BY id",
+                (rid,),
+            ).fetchall()
         return [
             {
                 "step": step,
@@ -267,3 +485,61 @@ class Store:
             }
             for step, epoch, stamp, kind, level, message, data in rows
         ]
+
+
+def delete_runs(path: str | os.PathLike[str] | None, runs: Sequence[int | str]) -> list[RunInfo]:
+    """Delete runs (their points, events and run rows) from the database at ``path``.
+
+    All or nothing: if any run is unknown or still running (its process alive), nothing is
+    deleted. The file does not shrink (SQLite reuses the space for new runs).
+
+    Args:
+        path: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        runs: run ids or names.
+
+    Returns:
+        The runs deleted.
+
+    Raises:
+        KeyError: an unknown run. ValueError: a run that is still running.
+        FileNotFoundError / sqlite3.Error: the database cannot be opened or written.
+    """
+    with Store(path) as store:
+        targets = {info.id: info for info in (store.run(ref) for ref in runs)}
+        db_path = store.path
+    if not targets:
+        return []
+    conn = sqlite3.connect(
+        sqlite_uri(db_path, "rw"), uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None
+    )
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            ids = sorted(targets)
+            marks = ", ".join("?" * len(ids))
+            # Checked again inside the write transaction: a run cannot start or end unseen.
+            rows = conn.execute(
+                f"SELECT id, name, status, host, pid, heartbeat FROM runs WHERE id IN ({marks})",
+                ids,
+            ).fetchall()
+            live = [
+                f"{rid} ({name})"
+                for rid, name, status, host, pid, heartbeat in rows
+                if effective_status(status, host, pid, heartbeat) == "running"
+            ]
+            if live:
+                raise ValueError(
+                    f"run {', '.join(live)} is still running; stop it first (a run whose "
+                    "process is gone shows as crashed and can be deleted)"
+                )
+            for table, column in (("points", "run"), ("events", "run"), ("runs", "id")):
+                conn.execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", ids)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+    finally:
+        conn.close()
+    return [targets[rid] for rid in sorted(targets)]
