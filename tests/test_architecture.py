@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.dataset",
         "stepwatch.distributed",
         "stepwatch.store._schema",
+        "stepwatch.store._runs",
         "stepwatch.store.reader",
         "stepwatch.store.export",
         "stepwatch.store.writer",
