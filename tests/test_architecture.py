@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.loop", "stepwatch.store.recorder"),
     ("stepwatch.train.model",),
     # The package faces re-export everything; only the top may import them.
-    ("stepwatch.demo", "<faces>"),
+    ("stepwatch.demo", "stepwatch.amp", "<faces>"),
     ("stepwatch.cli", "stepwatch.__main__"),
 ]
 MAX_LINES = 520

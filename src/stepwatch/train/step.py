@@ -3,7 +3,7 @@ precision and loss scaling, gradient clipping, gradient accumulation and the LR 
 
 ``Model`` turns its arguments into one :class:`StepOptions`; the loop reads it. MindSpore's
 ``amp_level`` and the PyTorch-style ``precision`` are two spellings of the same thing: each
-resolves to a :class:`Precision`, and nothing else in the loop knows which was used.
+resolves to a :class:`PrecisionConfig`, and nothing else in the loop knows which was used.
 
 =============  ==================  ============================================================
 amp_level      precision           what runs
@@ -36,7 +36,7 @@ __all__ = [
     "DynamicLossScaleManager",
     "FixedLossScaleManager",
     "LossScaleManager",
-    "Precision",
+    "PrecisionConfig",
     "StepOptions",
     "resolve_precision",
 ]
@@ -157,7 +157,7 @@ class _ConstantScale:
 
 
 @dataclass(frozen=True)
-class Precision:
+class PrecisionConfig:
     """What ``amp_level`` / ``precision`` resolved to.
 
     Attributes:
@@ -180,8 +180,8 @@ def _half(device: torch.device) -> torch.dtype:
     return torch.float16 if device.type == "cuda" else torch.bfloat16
 
 
-def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> Precision:
-    """One :class:`Precision` from MindSpore's ``amp_level`` or the PyTorch-style name.
+def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> PrecisionConfig:
+    """One :class:`PrecisionConfig` from MindSpore's ``amp_level`` or the PyTorch-style name.
 
     Raises:
         TypeError: not a str. ValueError: an unknown name, or both given and different.
@@ -224,20 +224,25 @@ def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> P
         else:
             name = "16-true" if cuda else "bf16-true"
     if name == "32":
-        return Precision("32", None, False, False, False)
+        return FLOAT32
     dtype = torch.bfloat16 if name.startswith("bf16") else torch.float16
     mixed = name.endswith("-mixed")
     # float16 mixed precision scales the loss unless told otherwise (O1 does not, as in
     # MindSpore: ``amp_level='O1'`` on CUDA is plain autocast).
     dynamic = dtype == torch.float16 and mixed and amp_level != "O1"
-    return Precision(name, dtype, mixed, not mixed, dynamic)
+    return PrecisionConfig(name, dtype, mixed, not mixed, dynamic)
+
+
+FLOAT32 = PrecisionConfig("32", None, False, False, False)
 
 
 @dataclass
 class StepOptions:
     """Everything the training step does beyond the plain fp32 step (from ``Model``)."""
 
-    precision: Precision = field(default_factory=lambda: Precision("32", None, False, False, False))
+    precision: PrecisionConfig = field(
+        default_factory=lambda: PrecisionConfig("32", None, False, False, False)
+    )
     scaler: Any = None
     clip_grad_norm: float | None = None
     clip_grad_value: float | None = None
@@ -250,7 +255,7 @@ class StepOptions:
     def plain(self) -> bool:
         """True for the plain fp32 step (the loop then takes its fastest path)."""
         return (
-            not self.precision.autocast
+            self.precision.dtype is None
             and self.scaler is None
             and self.clip_grad_norm is None
             and self.clip_grad_value is None
