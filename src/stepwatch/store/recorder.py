@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._validation import check_int, check_number
+from ..monitor import values as names
 from ..monitor.schedule import Every
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from .writer import RunWriter
@@ -25,6 +27,19 @@ def _scalars(key: str, value: Any) -> list[tuple[str, Any]]:
     return [(key, value)]
 
 
+def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
+    """``{epoch key: 'min' | 'max'}`` for the epoch keys a run with these metrics records."""
+    declared = names.metric_directions(metrics)
+    train = {names.LOSS: 0.0}
+    train.update(
+        {m: 0.0 for m, metric in metrics.items() if not getattr(metric, "uses_loss", False)}
+    )
+    valid = {**dict.fromkeys(metrics, 0.0), names.EVAL_LOSS: 0.0} if validates else None
+    keys = names.epoch_values(train, valid, validates=validates, aliases=False)
+    found = {key: names.direction(key, declared) for key in keys}
+    return {key: d for key, d in sorted(found.items()) if d is not None}
+
+
 def _detached(loss: object) -> torch.Tensor:
     if isinstance(loss, torch.Tensor):
         return loss.detach()
@@ -32,19 +47,29 @@ def _detached(loss: object) -> torch.Tensor:
 
 
 class RunRecorder(Callback):
-    """Record the run into the SQLite store: step losses, epoch metrics, validation results,
+    """Record the run into the SQLite store: step losses, epoch values, validation results,
     learning rate, step time and events.
 
     Per-step losses stay on the device: the recorder keeps the step's loss tensor and, once per
     interval (``transfer_every`` recorded steps, the writer's flush period, or an epoch end),
     stacks them and copies them to the host in one transfer. On a GPU that copy is queued
     without waiting; the writer thread waits for it. The recorder adds no host sync to the
-    steps in between. Only rank 0 records.
+    steps in between. Only rank 0 records (``rank_zero_only``).
 
-    Keys written: ``loss`` (per recorded step; the wall times of the steps inside one transfer
-    interval are spread evenly over it), ``lr`` and ``step_time`` (mean seconds per step; once
-    per interval), and per epoch ``epoch_loss``, ``train_<metric>``, ``eval_loss``
-    and ``eval_<metric>``. Events: checkpoints saved, the stop reason, an exception.
+    Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
+    and ``EarlyStopping(monitor=...)`` agree):
+
+    * per recorded step, ``step_loss``: the step's training loss (the wall times of the steps
+      inside one transfer interval are spread evenly over it);
+    * once per interval, ``lr`` (the first parameter group's learning rate) and ``step_time``
+      (mean seconds per step);
+    * per epoch, ``loss`` (the epoch's mean training loss), ``train_<metric>``, and in a
+      ``fit`` that validates ``eval_loss`` and ``eval_<metric>``; a per-class metric (an array)
+      becomes ``<key>/0``, ``<key>/1``, ...
+
+    The run's config holds ``"directions"``: ``{key: "min" | "max"}`` for the epoch keys
+    (the metric's declared ``direction``, else the name rule). Events: checkpoints saved, the
+    stop reason, an exception.
 
     Args:
         db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
@@ -61,6 +86,11 @@ class RunRecorder(Callback):
 
     Raises:
         TypeError / ValueError: bad arguments or a config that is not JSON-serialisable.
+
+    Example:
+        >>> recorder = RunRecorder(db="runs.db", run_name="baseline", config={"lr": 0.1})
+        >>> model.fit(10, train_ds, valid_ds, callbacks=[recorder])
+        >>> Store("runs.db").metrics(recorder.run_id, "eval_loss")
     """
 
     order = ORDER_RECORD  # after the callbacks whose effects it records
@@ -103,7 +133,7 @@ class RunRecorder(Callback):
         self._last_wall = 0.0
         self._transfer_step = 0
         self._last_ckpt: str | None = None
-        self._epoch = 0
+        self._validates = False
         # Validate the config now rather than at step 1.
         import json
 
@@ -118,6 +148,7 @@ class RunRecorder(Callback):
         if p.rank_id != 0:
             self.writer = None
             return
+        validates = getattr(p, "valid_dataset", None) is not None
         config = {
             "network": type(p.network).__name__,
             "optimizer": type(p.optimizer).__name__ if p.optimizer is not None else None,
@@ -127,12 +158,14 @@ class RunRecorder(Callback):
             "steps_per_epoch": p.batch_num,
             "device": str(p.device),
             "metrics": sorted(p.metrics),
+            "directions": _directions(p.metrics, validates),
             "callbacks": [type(cb).__name__ for cb in p.list_callback],
             "torch": torch.__version__,
             **self.config,
         }
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
         self.run_id = self.writer.run_id
+        self._validates = validates
         self._sample.reset(p.cur_step_num)
         self._losses, self._steps = [], []
         self._last_transfer, self._last_wall = time.monotonic(), time.time()
@@ -174,9 +207,9 @@ class RunRecorder(Callback):
             return
         epoch, step = p.cur_epoch_num, p.cur_step_num
         if step > self._transfer_step:
-            writer.log("step_time", elapsed / (step - self._transfer_step), step, epoch)
+            writer.log(names.STEP_TIME, elapsed / (step - self._transfer_step), step, epoch)
             if p.optimizer is not None:
-                writer.log("lr", p.lr, step, epoch)
+                writer.log(names.LR, p.lr, step, epoch)
         self._transfer_step = step
         if not self._losses:
             return
@@ -189,7 +222,7 @@ class RunRecorder(Callback):
         n = len(self._steps)
         # Wall times of the steps in between are spread evenly over the interval.
         times = [start_wall + (wall - start_wall) * (i + 1) / n for i in range(n)]
-        writer.log_batch("loss", self._steps, stacked, epoch, times, ready)
+        writer.log_batch(names.STEP_LOSS, self._steps, stacked, epoch, times, ready)
         self._losses, self._steps = [], []
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
@@ -199,15 +232,13 @@ class RunRecorder(Callback):
         p = run_context.original_args()
         self._transfer(p)
         step, epoch = p.cur_step_num, p.cur_epoch_num
-        for name, value in (getattr(p, "train_results", None) or {}).items():
-            key = "epoch_loss" if name == "loss" else f"train_{name}"
-            for sub, number in _scalars(key, value):
-                writer.log(sub, number, step, epoch)
-        eval_results = getattr(p, "eval_results", None) or {}
-        for name, value in eval_results.items():
-            if name == "loss" and "eval_loss" in eval_results:
-                continue
-            key = name if name.startswith("eval_") else f"eval_{name}"
+        values = names.epoch_values(
+            getattr(p, "train_results", None),
+            getattr(p, "eval_results", None),
+            validates=self._validates,
+            aliases=False,
+        )
+        for key, value in values.items():
             for sub, number in _scalars(key, value):
                 writer.log(sub, number, step, epoch)
         if p.latest_ckpt_file and p.latest_ckpt_file != self._last_ckpt:
