@@ -3,10 +3,12 @@ thread (the store's crash, back-pressure and concurrency tests are in test_store
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,3 +104,46 @@ def test_train_without_validation_has_no_eval_keys(tmp_path: Path) -> None:
         run = store.run(recorder.run_id)
         assert set(store.keys(run.id)) - STEP_KEYS == {"loss", "train_accuracy"}
     assert run.config["directions"] == {"loss": "min", "train_accuracy": "max"}
+
+
+# -- the writer's bulk rows ------------------------------------------------------------------
+def test_log_batch_takes_a_range_an_array_or_a_list_of_steps(tmp_path: Path) -> None:
+    from stepwatch import RunWriter
+
+    writer = RunWriter(tmp_path / "s.db", flush_seconds=30)
+    writer.log_batch(
+        "a", range(10, 14), torch.tensor([1.0, 2.0, 3.0, 4.0]), epoch=1, span=(100, 104)
+    )
+    writer.log_batch("b", np.array([3, 7, 9]), np.array([0.5, np.nan, np.inf]), times=[1, 2, 3])
+    steps = [1, 2]
+    writer.log_batch("c", steps, [5.0, 6.0])
+    steps.append(3)  # the writer copied the list: this changes nothing
+    writer.close()
+    assert writer.written == 9 and writer.dropped == 0
+    with Store(tmp_path / "s.db") as store:
+        rows = {(k, s): (e, t, v) for k, s, e, t, v in store.points(writer.run_id)}
+    # Times are spread evenly over (start, end]: the last point gets the end.
+    assert [rows[("a", s)] for s in range(10, 14)] == [(1, 101.0 + i, 1.0 + i) for i in range(4)]
+    assert rows[("b", 3)] == (None, 1.0, 0.5) and math.isnan(rows[("b", 7)][2])
+    assert rows[("b", 9)][2] == math.inf
+    assert {s for k, s in rows if k == "c"} == {1, 2}
+
+
+def test_log_converts_odd_values_on_the_writer_thread(tmp_path: Path) -> None:
+    from stepwatch import RunWriter
+
+    writer = RunWriter(tmp_path / "s.db", flush_seconds=30)
+    logged = [1.5, 2, np.float32(0.25), torch.tensor(4.0), None, "x", True]
+    for step, value in enumerate(logged):
+        writer.log("v", value, np.int64(step), epoch=np.int64(1) if step % 2 else None)
+    writer.log("w", 7.0, 0)
+    writer.close()
+    assert writer.written == len(logged) + 1 and writer.dropped == 0
+    with Store(tmp_path / "s.db") as store:
+        steps, stored = store.metrics(writer.run_id, "v")
+        points = store.points(writer.run_id)
+    assert steps.tolist() == list(range(len(logged)))
+    assert stored[:4].tolist() == [1.5, 2.0, 0.25, 4.0] and stored[6] == 1.0
+    assert np.isnan(stored[4]) and np.isnan(stored[5])  # not numbers: stored as NULL
+    assert [e for k, _, e, _, _ in points if k == "v"] == [None, 1, None, 1, None, 1, None]
+    assert ("w", 0) in {(k, s) for k, s, *_ in points}
