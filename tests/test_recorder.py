@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from stepwatch import EarlyStopping, History, RunRecorder, Store
+from stepwatch import Callback, EarlyStopping, History, RunContext, RunRecorder, Store
 from stepwatch.monitor import values
+from stepwatch.train.callback import ORDER_RECORD
 from stepwatch.train.metrics import Metric
 
 from .conftest import make_batches, make_model
@@ -147,3 +148,96 @@ def test_log_converts_odd_values_on_the_writer_thread(tmp_path: Path) -> None:
     assert np.isnan(stored[4]) and np.isnan(stored[5])  # not numbers: stored as NULL
     assert [e for k, _, e, _, _ in points if k == "v"] == [None, 1, None, 1, None, 1, None]
     assert ("w", 0) in {(k, s) for k, s, *_ in points}
+
+
+# -- recording every step: a bare append per step ------------------------------------------
+class _Seen(Callback):
+    """Keeps every step's loss, at a given order relative to the recorder."""
+
+    def __init__(self, order: int, fail_at: int | None = None) -> None:
+        self.order = order
+        self.fail_at = fail_at
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        p = run_context.cb_params
+        if p.cur_step_num == self.fail_at:
+            raise RuntimeError("boom")
+        self.steps.append(p.cur_step_num)
+        self.losses.append(p.loss)
+
+
+def test_every_step_is_recorded_across_transfers_and_epochs(tmp_path: Path) -> None:
+    seen = _Seen(order=0)
+    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=3)
+    make_model().train(3, make_batches(5), callbacks=[seen, recorder])
+    with Store(tmp_path / "s.db") as store:
+        steps, losses = store.metrics(recorder.run_id, values.STEP_LOSS)
+        points = [p for p in store.points(recorder.run_id) if p[0] == values.STEP_LOSS]
+    assert steps.tolist() == seen.steps == list(range(1, 16))
+    np.testing.assert_allclose(losses, seen.losses, rtol=1e-6)
+    assert [p[2] for p in points] == [1] * 5 + [2] * 5 + [3] * 5  # each step's epoch
+    times = [p[3] for p in points]
+    assert times == sorted(times)
+
+
+@pytest.mark.parametrize(("order", "kept"), [(0, 6), (ORDER_RECORD + 1, 7)])
+def test_a_failing_step_keeps_the_steps_the_recorder_saw(
+    tmp_path: Path, order: int, kept: int
+) -> None:
+    # A callback before the recorder fails at step 7: the recorder never saw it; after the
+    # recorder: step 7 was recorded.
+    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=4)
+    with pytest.raises(RuntimeError, match="boom"):
+        make_model().train(2, make_batches(5), callbacks=[recorder, _Seen(order, fail_at=7)])
+    with Store(tmp_path / "s.db") as store:
+        run = store.run(recorder.run_id)
+        assert run.status == "failed"
+        assert store.metrics(run.id, values.STEP_LOSS)[0].tolist() == list(range(1, kept + 1))
+
+
+def test_recording_every_step_reads_the_clock_once_per_16_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import stepwatch.store.recorder as recorder_module
+
+    reads: list[str] = []
+
+    class Clock:
+        def monotonic(self) -> float:
+            reads.append("monotonic")
+            return time.monotonic()
+
+        def time(self) -> float:
+            reads.append("time")
+            return time.time()
+
+    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=1000, flush_seconds=60)
+    monkeypatch.setattr(recorder_module, "time", Clock())
+    make_model().train(1, make_batches(64, batch_size=2), callbacks=[recorder])
+    # Train begin (2), a look every 16 steps (4), the epoch-end transfer (2), train end (2).
+    assert len(reads) <= 10
+    with Store(tmp_path / "s.db") as store:
+        assert len(store.metrics(recorder.run_id, values.STEP_LOSS)[0]) == 64
+
+
+def test_every_n_seconds_records_a_subset_of_steps(tmp_path: Path) -> None:
+    recorder = RunRecorder(db=tmp_path / "s.db", every_n_steps=None, every_n_seconds=1e-4)
+    make_model().train(2, make_batches(20), callbacks=[recorder])
+    with Store(tmp_path / "s.db") as store:
+        steps = store.metrics(recorder.run_id, values.STEP_LOSS)[0].tolist()
+    assert steps and steps == sorted(set(steps)) and set(steps) <= set(range(1, 41))
+
+
+def test_losses_that_are_not_one_tensor_are_stacked_anyway() -> None:
+    from stepwatch.store.recorder import _stack
+
+    stacked = _stack([torch.tensor(1.0), 2.0, (torch.tensor([3.0]), "aux"), None, "x"])
+    assert stacked.dtype == torch.float32
+    np.testing.assert_array_equal(stacked.numpy()[:3], [1.0, 2.0, 3.0])
+    assert stacked[3:].isnan().all()
+    grad = torch.tensor(2.0, requires_grad=True) * 1.5
+    assert not _stack([grad, grad]).requires_grad

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -21,6 +23,8 @@ __all__ = ["RunRecorder"]
 
 def _scalars(key: str, value: Any) -> list[tuple[str, Any]]:
     """One point per number: a per-class metric (an array) becomes ``key/0``, ``key/1``, ..."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy() if value.numel() > 1 else value
     size = getattr(value, "size", None)
     if isinstance(value, (list, tuple)) or (isinstance(size, int) and size > 1):
         return [(f"{key}/{i}", v) for i, v in enumerate(np.asarray(value).ravel().tolist())]
@@ -40,21 +44,41 @@ def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
     return {key: d for key, d in sorted(found.items()) if d is not None}
 
 
-def _detached(loss: object) -> torch.Tensor:
-    if isinstance(loss, torch.Tensor):
-        return loss.detach()
-    return torch.tensor(float(loss))  # type: ignore[arg-type]
+def _stack(losses: list[Any]) -> torch.Tensor:
+    """The step losses as one float tensor, on their device (no host copy, no sync)."""
+    try:
+        return torch.stack(losses).detach().float()
+    except (TypeError, RuntimeError):  # not all tensors, or of different shapes or devices
+        return torch.tensor([_as_float(loss) for loss in losses], dtype=torch.float32)
+
+
+def _as_float(loss: Any) -> float:
+    """One loss as a float (NaN when it is not a number); reads a device tensor."""
+    if isinstance(loss, (tuple, list)) and loss:
+        loss = loss[0]
+    try:
+        if isinstance(loss, torch.Tensor):
+            return float(loss.detach().reshape(-1)[0])
+        return float(loss)
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return math.nan
+
+
+# When recording every step, the clock is read once per this many steps (to transfer at least
+# every flush period when steps are slow); when sampling, at every recorded step.
+_CLOCK_EVERY = 16
 
 
 class RunRecorder(Callback):
     """Record the run into the SQLite store: step losses, epoch values, validation results,
     learning rate, step time and events.
 
-    Per-step losses stay on the device: the recorder keeps the step's loss tensor and, once per
-    interval (``transfer_every`` recorded steps, the writer's flush period, or an epoch end),
-    stacks them and copies them to the host in one transfer. On a GPU that copy is queued
-    without waiting; the writer thread waits for it. The recorder adds no host sync to the
-    steps in between. Only rank 0 records (``rank_zero_only``).
+    Per-step losses stay on the device: the recorder keeps each recorded step's loss tensor
+    and, once per interval (``transfer_every`` recorded steps, the writer's flush period, or an
+    epoch end), stacks them and copies them to the host in one transfer. On a GPU that copy is
+    queued without waiting; the writer thread waits for it. Recording every step costs the
+    training thread one list append per step; the rows are built in bulk on the writer thread.
+    Only rank 0 records (``rank_zero_only``).
 
     Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
     and ``EarlyStopping(monitor=...)`` agree):
@@ -126,25 +150,31 @@ class RunRecorder(Callback):
         self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
         self.writer: RunWriter | None = None
         self.run_id: int | None = None
-        self._losses: list[torch.Tensor] = []
+        # The recorded steps' losses (device tensors) and, when sampling, their steps; when
+        # every step is recorded they are the steps after ``_first_step - 1``, in order.
+        self._losses: list[Any] = []
         self._steps: list[int] = []
-        self._clock_mask = 15 if self._sample.steps == 1 and not self._sample.seconds else 0
+        self._first_step = 1
+        self._clock_every = 1
+        self._check_at = 1  # the buffer length at which to look at the clock next
         self._last_transfer = 0.0
         self._last_wall = 0.0
         self._transfer_step = 0
         self._last_ckpt: str | None = None
+        self._cb_params: CallbackParams | None = None
         self._validates = False
-        # Validate the config now rather than at step 1.
-        import json
-
         try:
-            json.dumps(self.config)
+            json.dumps(self.config)  # validate the config now rather than at step 1
         except (TypeError, ValueError) as exc:
             raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
+        if self._sample.steps == 1 and not self._sample.seconds:
+            # Recording every step needs no schedule: the hook is a bare append.
+            self.on_train_step_end = self._record_every_step  # type: ignore[method-assign]
+            self._clock_every = _CLOCK_EVERY
 
     # -- lifecycle ----------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
-        p = run_context.original_args()
+        p = run_context.cb_params
         if p.rank_id != 0:
             self.writer = None
             return
@@ -168,34 +198,39 @@ class RunRecorder(Callback):
         self._validates = validates
         self._sample.reset(p.cur_step_num)
         self._losses, self._steps = [], []
+        self._first_step = p.cur_step_num + 1
+        self._check_at = min(self._clock_every, self.transfer_every)
         self._last_transfer, self._last_wall = time.monotonic(), time.time()
         self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
 
-    _cb_params: CallbackParams | None = None
+    def _record_every_step(self, run_context: RunContext) -> None:
+        """``on_train_step_end`` when every step is recorded: keep the loss tensor."""
+        losses = self._losses
+        losses.append(run_context.cb_params.loss_tensor)
+        if len(losses) >= self._check_at:
+            self._maybe_transfer(run_context.cb_params)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        if self.writer is None:
-            return
+        """Keep the loss tensor of the steps the schedule picks."""
         p = run_context.cb_params
         step = p.cur_step_num
         sample = self._sample
         if step < sample.next_step or not sample.due(step):
             return
-        loss = p.loss_tensor  # the loop hands over a detached tensor
-        if type(loss) is not torch.Tensor or loss.requires_grad:
-            loss = _detached(loss)
-        losses = self._losses
-        losses.append(loss)
+        self._losses.append(p.loss_tensor)
         self._steps.append(step)
-        n = len(losses)
-        # The clock is read every 16th recorded step when recording every step.
-        if n >= self.transfer_every or (
-            not n & self._clock_mask
-            and time.monotonic() - self._last_transfer >= self.flush_seconds
-        ):
+        if len(self._losses) >= self._check_at:
+            self._maybe_transfer(p)
+
+    def _maybe_transfer(self, p: CallbackParams) -> None:
+        """Transfer when ``transfer_every`` losses wait or the flush period has passed."""
+        n = len(self._losses)
+        if n >= self.transfer_every or time.monotonic() - self._last_transfer >= self.flush_seconds:
             self._transfer(p)
+        else:
+            self._check_at = min(n + self._clock_every, self.transfer_every)
 
     def _transfer(self, p: CallbackParams) -> None:
         """One host copy for every step loss recorded since the last transfer."""
@@ -203,6 +238,11 @@ class RunRecorder(Callback):
         now, wall = time.monotonic(), time.time()
         elapsed, start_wall = now - self._last_transfer, self._last_wall
         self._last_transfer, self._last_wall = now, wall
+        losses, steps = self._losses, self._steps
+        self._losses, self._steps = [], []
+        first = self._first_step
+        self._first_step += len(losses)
+        self._check_at = min(self._clock_every, self.transfer_every)
         if writer is None:
             return
         epoch, step = p.cur_epoch_num, p.cur_step_num
@@ -211,25 +251,23 @@ class RunRecorder(Callback):
             if p.optimizer is not None:
                 writer.log(names.LR, p.lr, step, epoch)
         self._transfer_step = step
-        if not self._losses:
+        if not losses:
             return
-        stacked = torch.stack(self._losses).float()
+        stacked = _stack(losses)
         ready = None
         if stacked.is_cuda:
             stacked = stacked.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        n = len(self._steps)
-        # Wall times of the steps in between are spread evenly over the interval.
-        times = [start_wall + (wall - start_wall) * (i + 1) / n for i in range(n)]
-        writer.log_batch(names.STEP_LOSS, self._steps, stacked, epoch, times, ready)
-        self._losses, self._steps = [], []
+        # Every step recorded: the steps follow one another from the first one kept.
+        at = steps if steps else range(first, first + len(losses))
+        writer.log_batch(names.STEP_LOSS, at, stacked, epoch, ready=ready, span=(start_wall, wall))
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         writer = self.writer
         if writer is None:
             return
-        p = run_context.original_args()
+        p = run_context.cb_params
         self._transfer(p)
         step, epoch = p.cur_step_num, p.cur_epoch_num
         values = names.epoch_values(
@@ -255,7 +293,7 @@ class RunRecorder(Callback):
         writer = self.writer
         if writer is None:
             return
-        p = run_context.original_args()
+        p = run_context.cb_params
         self._transfer(p)
         if run_context.get_stop_requested():
             reason = run_context.stop_reason or "a callback requested a stop"
