@@ -52,15 +52,15 @@ def test_recorder_writes_steps_epochs_eval_lr_and_events(tmp_path: Path) -> None
         run = store.run("fit")
         assert run.status == "finished" and run.config["lr"] == 0.1 and run.steps == 12
         assert set(store.keys(run.id)) == {
-            "loss",
+            "step_loss",
             "lr",
             "step_time",
-            "epoch_loss",
+            "loss",
             "train_accuracy",
             "eval_accuracy",
             "eval_loss",
         }
-        steps, losses = store.metrics(run.id, "loss")
+        steps, losses = store.metrics(run.id, "step_loss")
         assert steps.tolist() == list(range(1, 13))
         np.testing.assert_allclose(losses, step_losses, rtol=1e-6)
         assert store.metrics(run.id, "eval_loss")[0].tolist() == [4, 8, 12]
@@ -72,7 +72,7 @@ def test_recorder_every_n_steps_samples(tmp_path: Path) -> None:
     recorder = RunRecorder(db=tmp_path / "s.db", every_n_steps=5)
     make_model().train(2, make_batches(8), callbacks=[recorder])
     with Store(tmp_path / "s.db") as store:
-        assert store.metrics(recorder.run_id, "loss")[0].tolist() == [5, 10, 15]
+        assert store.metrics(recorder.run_id, "step_loss")[0].tolist() == [5, 10, 15]
 
 
 def test_recorder_reads_losses_once_per_interval(tmp_path: Path) -> None:
@@ -92,7 +92,7 @@ def test_recorder_reads_losses_once_per_interval(tmp_path: Path) -> None:
     # One read for the epoch's mean loss, one per transfer (steps 10, 20, 30).
     assert SyncCountingTensor.reads == 1 + 3
     with Store(tmp_path / "s.db") as store:
-        assert len(store.metrics(recorder.run_id, "loss")[0]) == 30
+        assert len(store.metrics(recorder.run_id, "step_loss")[0]) == 30
 
 
 def test_exception_in_training_marks_run_failed_with_points(tmp_path: Path) -> None:
@@ -110,7 +110,7 @@ def test_exception_in_training_marks_run_failed_with_points(tmp_path: Path) -> N
         run = store.run("fails")
         assert run.status == "failed"
         # The failure is raised in step 25's step-end hook, before the recorder saw step 25.
-        assert store.metrics(run.id, "loss")[0].tolist() == list(range(1, 25))
+        assert store.metrics(run.id, "step_loss")[0].tolist() == list(range(1, 25))
         errors = [e for e in store.events(run.id) if e["kind"] == "error"]
         assert errors[0]["message"] == "RuntimeError: simulated failure"
 
@@ -171,7 +171,7 @@ def test_sigkill_keeps_points_up_to_the_last_flush_and_shows_crashed(tmp_path: P
     with Store(db) as store:
         run = store.run("forever")
         assert run.stored_status == "running" and run.status == "crashed"
-        steps, _ = store.metrics(run.id, "loss")
+        steps, _ = store.metrics(run.id, "step_loss")
         # Everything flushed before the kill is there, in order, without gaps.
         assert steps[-1] >= flushed[-1]
         assert steps.tolist() == list(range(1, int(steps[-1]) + 1))
@@ -193,7 +193,7 @@ def test_failing_disk_never_raises_into_training(tmp_path: Path) -> None:
     assert result.stderr.count("records are being dropped and counted") == 1
     assert f"dropped {dropped} records" in result.stderr
     with Store(db) as store:
-        assert len(store.metrics(store.run("disk").id, "loss")[0]) >= 16  # sent before the cap
+        assert len(store.metrics(store.run("disk").id, "step_loss")[0]) >= 16  # sent before the cap
 
 
 def test_full_queue_waits_then_drops_and_counts(tmp_path: Path) -> None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from .._validation import check_int, check_number
+from ..monitor import values as names
 from ..monitor.schedule import Every
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from .writer import RunWriter
@@ -19,32 +23,77 @@ __all__ = ["RunRecorder"]
 
 def _scalars(key: str, value: Any) -> list[tuple[str, Any]]:
     """One point per number: a per-class metric (an array) becomes ``key/0``, ``key/1``, ..."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy() if value.numel() > 1 else value
     size = getattr(value, "size", None)
     if isinstance(value, (list, tuple)) or (isinstance(size, int) and size > 1):
         return [(f"{key}/{i}", v) for i, v in enumerate(np.asarray(value).ravel().tolist())]
     return [(key, value)]
 
 
-def _detached(loss: object) -> torch.Tensor:
-    if isinstance(loss, torch.Tensor):
-        return loss.detach()
-    return torch.tensor(float(loss))  # type: ignore[arg-type]
+def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
+    """``{epoch key: 'min' | 'max'}`` for the epoch keys a run with these metrics records."""
+    declared = names.metric_directions(metrics)
+    train = {names.LOSS: 0.0}
+    train.update(
+        {m: 0.0 for m, metric in metrics.items() if not getattr(metric, "uses_loss", False)}
+    )
+    valid = {**dict.fromkeys(metrics, 0.0), names.EVAL_LOSS: 0.0} if validates else None
+    keys = names.epoch_values(train, valid, validates=validates, aliases=False)
+    found = {key: names.direction(key, declared) for key in keys}
+    return {key: d for key, d in sorted(found.items()) if d is not None}
+
+
+def _stack(losses: list[Any]) -> torch.Tensor:
+    """The step losses as one float tensor, on their device (no host copy, no sync)."""
+    try:
+        return torch.stack(losses).detach().float()
+    except (TypeError, RuntimeError):  # not all tensors, or of different shapes or devices
+        return torch.tensor([_as_float(loss) for loss in losses], dtype=torch.float32)
+
+
+def _as_float(loss: Any) -> float:
+    """One loss as a float (NaN when it is not a number); reads a device tensor."""
+    if isinstance(loss, (tuple, list)) and loss:
+        loss = loss[0]
+    try:
+        if isinstance(loss, torch.Tensor):
+            return float(loss.detach().reshape(-1)[0])
+        return float(loss)
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return math.nan
+
+
+# When recording every step, the clock is read once per this many steps (to transfer at least
+# every flush period when steps are slow); when sampling, at every recorded step.
+_CLOCK_EVERY = 16
 
 
 class RunRecorder(Callback):
-    """Record the run into the SQLite store: step losses, epoch metrics, validation results,
+    """Record the run into the SQLite store: step losses, epoch values, validation results,
     learning rate, step time and events.
 
-    Per-step losses stay on the device: the recorder keeps the step's loss tensor and, once per
-    interval (``transfer_every`` recorded steps, the writer's flush period, or an epoch end),
-    stacks them and copies them to the host in one transfer. On a GPU that copy is queued
-    without waiting; the writer thread waits for it. The recorder adds no host sync to the
-    steps in between. Only rank 0 records.
+    Per-step losses stay on the device: the recorder keeps each recorded step's loss tensor
+    and, once per interval (``transfer_every`` recorded steps, the writer's flush period, or an
+    epoch end), stacks them and copies them to the host in one transfer. On a GPU that copy is
+    queued without waiting; the writer thread waits for it. Recording every step costs the
+    training thread one list append per step; the rows are built in bulk on the writer thread.
+    Only rank 0 records (``rank_zero_only``).
 
-    Keys written: ``loss`` (per recorded step; the wall times of the steps inside one transfer
-    interval are spread evenly over it), ``lr`` and ``step_time`` (mean seconds per step; once
-    per interval), and per epoch ``epoch_loss``, ``train_<metric>``, ``eval_loss``
-    and ``eval_<metric>``. Events: checkpoints saved, the stop reason, an exception.
+    Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
+    and ``EarlyStopping(monitor=...)`` agree):
+
+    * per recorded step, ``step_loss``: the step's training loss (the wall times of the steps
+      inside one transfer interval are spread evenly over it);
+    * once per interval, ``lr`` (the first parameter group's learning rate) and ``step_time``
+      (mean seconds per step);
+    * per epoch, ``loss`` (the epoch's mean training loss), ``train_<metric>``, and in a
+      ``fit`` that validates ``eval_loss`` and ``eval_<metric>``; a per-class metric (an array)
+      becomes ``<key>/0``, ``<key>/1``, ...
+
+    The run's config holds ``"directions"``: ``{key: "min" | "max"}`` for the epoch keys
+    (the metric's declared ``direction``, else the name rule). Events: checkpoints saved, the
+    stop reason, an exception.
 
     Args:
         db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
@@ -61,6 +110,11 @@ class RunRecorder(Callback):
 
     Raises:
         TypeError / ValueError: bad arguments or a config that is not JSON-serialisable.
+
+    Example:
+        >>> recorder = RunRecorder(db="runs.db", run_name="baseline", config={"lr": 0.1})
+        >>> model.fit(10, train_ds, valid_ds, callbacks=[recorder])
+        >>> Store("runs.db").metrics(recorder.run_id, "eval_loss")
     """
 
     order = ORDER_RECORD  # after the callbacks whose effects it records
@@ -96,28 +150,35 @@ class RunRecorder(Callback):
         self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
         self.writer: RunWriter | None = None
         self.run_id: int | None = None
-        self._losses: list[torch.Tensor] = []
+        # The recorded steps' losses (device tensors) and, when sampling, their steps; when
+        # every step is recorded they are the steps after ``_first_step - 1``, in order.
+        self._losses: list[Any] = []
         self._steps: list[int] = []
-        self._clock_mask = 15 if self._sample.steps == 1 and not self._sample.seconds else 0
+        self._first_step = 1
+        self._clock_every = 1
+        self._check_at = 1  # the buffer length at which to look at the clock next
         self._last_transfer = 0.0
         self._last_wall = 0.0
         self._transfer_step = 0
         self._last_ckpt: str | None = None
-        self._epoch = 0
-        # Validate the config now rather than at step 1.
-        import json
-
+        self._cb_params: CallbackParams | None = None
+        self._validates = False
         try:
-            json.dumps(self.config)
+            json.dumps(self.config)  # validate the config now rather than at step 1
         except (TypeError, ValueError) as exc:
             raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
+        if self._sample.steps == 1 and not self._sample.seconds:
+            # Recording every step needs no schedule: the hook is a bare append.
+            self.on_train_step_end = self._record_every_step  # type: ignore[method-assign]
+            self._clock_every = _CLOCK_EVERY
 
     # -- lifecycle ----------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
-        p = run_context.original_args()
+        p = run_context.cb_params
         if p.rank_id != 0:
             self.writer = None
             return
+        validates = getattr(p, "valid_dataset", None) is not None
         config = {
             "network": type(p.network).__name__,
             "optimizer": type(p.optimizer).__name__ if p.optimizer is not None else None,
@@ -127,42 +188,49 @@ class RunRecorder(Callback):
             "steps_per_epoch": p.batch_num,
             "device": str(p.device),
             "metrics": sorted(p.metrics),
+            "directions": _directions(p.metrics, validates),
             "callbacks": [type(cb).__name__ for cb in p.list_callback],
             "torch": torch.__version__,
             **self.config,
         }
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
         self.run_id = self.writer.run_id
+        self._validates = validates
         self._sample.reset(p.cur_step_num)
         self._losses, self._steps = [], []
+        self._first_step = p.cur_step_num + 1
+        self._check_at = min(self._clock_every, self.transfer_every)
         self._last_transfer, self._last_wall = time.monotonic(), time.time()
         self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
 
-    _cb_params: CallbackParams | None = None
+    def _record_every_step(self, run_context: RunContext) -> None:
+        """``on_train_step_end`` when every step is recorded: keep the loss tensor."""
+        losses = self._losses
+        losses.append(run_context.cb_params.loss_tensor)
+        if len(losses) >= self._check_at:
+            self._maybe_transfer(run_context.cb_params)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        if self.writer is None:
-            return
+        """Keep the loss tensor of the steps the schedule picks."""
         p = run_context.cb_params
         step = p.cur_step_num
         sample = self._sample
         if step < sample.next_step or not sample.due(step):
             return
-        loss = p.loss_tensor  # the loop hands over a detached tensor
-        if type(loss) is not torch.Tensor or loss.requires_grad:
-            loss = _detached(loss)
-        losses = self._losses
-        losses.append(loss)
+        self._losses.append(p.loss_tensor)
         self._steps.append(step)
-        n = len(losses)
-        # The clock is read every 16th recorded step when recording every step.
-        if n >= self.transfer_every or (
-            not n & self._clock_mask
-            and time.monotonic() - self._last_transfer >= self.flush_seconds
-        ):
+        if len(self._losses) >= self._check_at:
+            self._maybe_transfer(p)
+
+    def _maybe_transfer(self, p: CallbackParams) -> None:
+        """Transfer when ``transfer_every`` losses wait or the flush period has passed."""
+        n = len(self._losses)
+        if n >= self.transfer_every or time.monotonic() - self._last_transfer >= self.flush_seconds:
             self._transfer(p)
+        else:
+            self._check_at = min(n + self._clock_every, self.transfer_every)
 
     def _transfer(self, p: CallbackParams) -> None:
         """One host copy for every step loss recorded since the last transfer."""
@@ -170,44 +238,45 @@ class RunRecorder(Callback):
         now, wall = time.monotonic(), time.time()
         elapsed, start_wall = now - self._last_transfer, self._last_wall
         self._last_transfer, self._last_wall = now, wall
+        losses, steps = self._losses, self._steps
+        self._losses, self._steps = [], []
+        first = self._first_step
+        self._first_step += len(losses)
+        self._check_at = min(self._clock_every, self.transfer_every)
         if writer is None:
             return
         epoch, step = p.cur_epoch_num, p.cur_step_num
         if step > self._transfer_step:
-            writer.log("step_time", elapsed / (step - self._transfer_step), step, epoch)
+            writer.log(names.STEP_TIME, elapsed / (step - self._transfer_step), step, epoch)
             if p.optimizer is not None:
-                writer.log("lr", p.lr, step, epoch)
+                writer.log(names.LR, p.lr, step, epoch)
         self._transfer_step = step
-        if not self._losses:
+        if not losses:
             return
-        stacked = torch.stack(self._losses).float()
+        stacked = _stack(losses)
         ready = None
         if stacked.is_cuda:
             stacked = stacked.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        n = len(self._steps)
-        # Wall times of the steps in between are spread evenly over the interval.
-        times = [start_wall + (wall - start_wall) * (i + 1) / n for i in range(n)]
-        writer.log_batch("loss", self._steps, stacked, epoch, times, ready)
-        self._losses, self._steps = [], []
+        # Every step recorded: the steps follow one another from the first one kept.
+        at = steps if steps else range(first, first + len(losses))
+        writer.log_batch(names.STEP_LOSS, at, stacked, epoch, ready=ready, span=(start_wall, wall))
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         writer = self.writer
         if writer is None:
             return
-        p = run_context.original_args()
+        p = run_context.cb_params
         self._transfer(p)
         step, epoch = p.cur_step_num, p.cur_epoch_num
-        for name, value in (getattr(p, "train_results", None) or {}).items():
-            key = "epoch_loss" if name == "loss" else f"train_{name}"
-            for sub, number in _scalars(key, value):
-                writer.log(sub, number, step, epoch)
-        eval_results = getattr(p, "eval_results", None) or {}
-        for name, value in eval_results.items():
-            if name == "loss" and "eval_loss" in eval_results:
-                continue
-            key = name if name.startswith("eval_") else f"eval_{name}"
+        values = names.epoch_values(
+            getattr(p, "train_results", None),
+            getattr(p, "eval_results", None),
+            validates=self._validates,
+            aliases=False,
+        )
+        for key, value in values.items():
             for sub, number in _scalars(key, value):
                 writer.log(sub, number, step, epoch)
         if p.latest_ckpt_file and p.latest_ckpt_file != self._last_ckpt:
@@ -224,7 +293,7 @@ class RunRecorder(Callback):
         writer = self.writer
         if writer is None:
             return
-        p = run_context.original_args()
+        p = run_context.cb_params
         self._transfer(p)
         if run_context.get_stop_requested():
             reason = run_context.stop_reason or "a callback requested a stop"

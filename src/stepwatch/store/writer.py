@@ -4,6 +4,11 @@ The training thread only appends to an in-memory queue (a ``collections.deque``:
 takes well under a microsecond and no lock). One writer thread drains the queue in batches,
 inside one transaction per batch, at least every ``flush_seconds``.
 
+Rows are built in bulk, so the writer holds the interpreter lock as little as it can while
+training runs: a ``log_batch`` stays arrays (steps as a ``range``, values as a tensor or array)
+until the writer zips its columns, in C, straight into the one ``executemany`` of the flush;
+points queued one by one with ``log`` are transposed with ``zip(*points)``.
+
 Full-queue policy: when ``max_pending`` items wait, ``log`` waits up to ``block_seconds`` for
 the writer to catch up; if it does not, the record is dropped and counted, and further records
 are dropped at once until the queue is half empty again. A failing disk (an SQLite error on
@@ -24,11 +29,15 @@ import sqlite3
 import threading
 import time
 import weakref
-from itertools import repeat
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from itertools import chain, repeat
+from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
 from ._schema import STATUSES, connect_for_writing, resolve_path
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["RunWriter"]
 
@@ -44,38 +53,55 @@ def _close_open_writers() -> None:  # pragma: no cover - runs at interpreter exi
 
 
 class _Batch:
-    """Many values of one key, possibly still on the device until ``ready`` completes."""
+    """Many values of one key, possibly still on the device until ``ready`` completes.
 
-    __slots__ = ("epoch", "key", "ready", "steps", "times", "values")
+    Steps, times and values stay in arrays (or a ``range``) until the writer hands the rows to
+    SQLite; nothing is built per point on the training thread.
+    """
+
+    __slots__ = ("epoch", "key", "ready", "span", "steps", "times", "values")
 
     def __init__(
         self,
         key: str,
-        steps: list[int],
+        steps: range | np.ndarray,
         values: Any,
         epoch: int | None,
-        times: list[float],
+        times: np.ndarray | None,
+        span: tuple[float, float],
         ready: Any,
     ) -> None:
-        self.key, self.steps, self.values = key, steps, values
-        self.epoch, self.times, self.ready = epoch, times, ready
+        self.key, self.steps, self.values, self.epoch = key, steps, values, epoch
+        self.times, self.span, self.ready = times, span, ready
 
-    def rows(self, run: int, key_id: int) -> list[tuple[Any, ...]]:
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def rows(self, run: int, key_id: int) -> tuple[int, Iterator[tuple[Any, ...]]]:
+        """The number of rows and the rows, built column-wise: ``zip`` makes each tuple in C as
+        SQLite reads it, so the writer holds the GIL as briefly as it can."""
         if self.ready is not None:
             self.ready.synchronize()  # waits on the writer thread, never the training thread
+        import numpy as np
+
         values = self.values
         if hasattr(values, "detach"):
             values = values.detach().cpu().double().numpy()
-        # zip/repeat build the row tuples in C: the writer holds the GIL as briefly as it can.
-        return list(
-            zip(
-                repeat(run),
-                repeat(key_id),
-                self.steps,
-                repeat(self.epoch),
-                self.times,
-                values.tolist(),
-            )
+        values = np.asarray(values, dtype=np.float64).reshape(-1)
+        n = min(len(self.steps), len(values))
+        if self.times is not None:
+            times = np.asarray(self.times, dtype=np.float64).reshape(-1)[:n]
+        else:
+            start, end = self.span
+            times = start + (end - start) * (np.arange(1, n + 1, dtype=np.float64) / n)
+        steps = self.steps
+        return n, zip(
+            repeat(run),
+            repeat(key_id),
+            steps[:n] if isinstance(steps, range) else steps[:n].tolist(),
+            repeat(self.epoch),
+            times.tolist(),
+            values[:n].tolist(),
         )
 
 
@@ -201,20 +227,42 @@ class RunWriter:
     def log_batch(
         self,
         key: str,
-        steps: list[int],
+        steps: range | Sequence[int] | np.ndarray,
         values: Any,
         epoch: int | None = None,
-        times: list[float] | None = None,
+        times: Sequence[float] | np.ndarray | None = None,
         ready: Any = None,
+        span: tuple[float, float] | None = None,
     ) -> None:
-        """Queue many points of one key: ``values`` is a 1-D tensor or array, which may still
-        be on its way to the host; ``ready`` (a CUDA event) is waited on by the writer."""
+        """Queue many points of one key.
+
+        Args:
+            key: the metric's name.
+            steps: the points' steps: a ``range`` for consecutive steps (the cheapest), or a
+                sequence or 1-D array of ints.
+            values: a 1-D tensor or array of one value per step, which may still be on its way
+                to the host (see ``ready``); read on the writer thread.
+            epoch: the epoch of every point.
+            times: the points' wall times; without them the times are spread evenly over
+                ``span``, or are all now.
+            ready: a CUDA event the writer waits for before it reads ``values``.
+            span: ``(start, end)`` wall times: the i-th of n points gets
+                ``start + (end - start) * (i + 1) / n``.
+        """
         n = len(steps)
         if self._closed or (len(self._pending) >= self.max_pending and not self._room()):
             self.dropped += n
             return
-        stamps = times if times is not None else [time.time()] * n
-        self._pending.append(_Batch(key, list(steps), values, epoch, stamps, ready))
+        import numpy as np  # here, not at the top: writing single points never needs it
+
+        if not isinstance(steps, range):
+            steps = np.array(steps, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse it
+        if times is not None:
+            times = np.array(times, dtype=np.float64)
+        if span is None:
+            now = time.time()
+            span = (now, now)
+        self._pending.append(_Batch(key, steps, values, epoch, times, span, ready))
 
     def event(
         self,
@@ -314,58 +362,71 @@ class RunWriter:
 
     def _write_some(self) -> None:
         pending = self._pending
-        items: list[Any] = []
-        while pending and len(items) < 50_000:
-            items.append(pending.popleft())
+        popleft = pending.popleft
+        items = [popleft() for _ in range(min(len(pending), 50_000))]
         run = self.run_id
-        count = 0
         try:
+            singles = [item for item in items if type(item) is tuple]
+            batches: list[_Batch] = []
+            events: list[_Event] = []
+            if len(singles) < len(items):
+                batches = [item for item in items if type(item) is _Batch]
+                events = [item for item in items if type(item) is _Event]
+            # Rows are assembled column by column, in C; the device copies are waited for
+            # here, before the transaction takes the database's write lock.
+            parts: list[Iterable[tuple[Any, ...]]] = []
+            count = 0
+            if singles:
+                parts.append(self._single_rows(run, singles))
+                count += len(singles)
+            for batch in batches:
+                n, rows = batch.rows(run, self._key_id(batch.key))
+                parts.append(rows)
+                count += n
+            event_rows = [
+                (
+                    run,
+                    item.step,
+                    item.epoch,
+                    item.time,
+                    item.kind,
+                    item.level,
+                    item.message,
+                    json.dumps(item.data, default=_json_default),
+                )
+                for item in events
+            ]
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                points: list[tuple[Any, ...]] = []
-                events: list[tuple[Any, ...]] = []
-                for item in items:
-                    if type(item) is tuple:
-                        key, step, epoch, stamp, value = item
-                        points.append((run, self._key_id(key), step, epoch, stamp, _number(value)))
-                    elif isinstance(item, _Batch):
-                        points.extend(item.rows(run, self._key_id(item.key)))
-                    else:
-                        events.append(
-                            (
-                                run,
-                                item.step,
-                                item.epoch,
-                                item.time,
-                                item.kind,
-                                item.level,
-                                item.message,
-                                json.dumps(item.data, default=_json_default),
-                            )
-                        )
-                count = len(points) + len(events)
-                if points:
-                    self._conn.executemany(
-                        "INSERT INTO points (run, key, step, epoch, time, value) "
-                        "VALUES (?, ?, ?, ?, ?, ?)",
-                        points,
-                    )
-                if events:
-                    self._conn.executemany(
-                        "INSERT INTO events (run, step, epoch, time, kind, level, message, data) "
-                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        events,
-                    )
+                if count:
+                    self._conn.executemany(_INSERT_POINTS, chain.from_iterable(parts))
+                if event_rows:
+                    self._conn.executemany(_INSERT_EVENTS, event_rows)
                 self._conn.execute("UPDATE runs SET heartbeat = ? WHERE id = ?", (time.time(), run))
                 self._conn.execute("COMMIT")
-                self.written += len(points)
+                self.written += count
             except BaseException:
                 if self._conn.in_transaction:
                     self._conn.execute("ROLLBACK")
                 raise
         except Exception as exc:  # a failing disk must not reach training
-            lost = count or sum(len(i.steps) if isinstance(i, _Batch) else 1 for i in items)
+            lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in items)
             self._report_disk_error(exc, lost)
+
+    def _single_rows(self, run: int, singles: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
+        """Rows for points queued one by one with :meth:`log`, transposed in C."""
+        key_ids = self._key_ids
+        keys, steps, epochs, stamps, values = zip(*singles)
+        for name in set(keys).difference(key_ids):
+            self._key_id(name)
+        return zip(
+            repeat(run),
+            map(key_ids.__getitem__, keys),
+            _column(steps, _INT, int),
+            _column(epochs, _INT_OR_NONE, _int_or_none),
+            stamps,
+            _column(values, _FLOAT, _number),
+        )
 
     def _report_disk_error(self, exc: BaseException, lost: int) -> None:
         self.dropped += lost
@@ -377,6 +438,26 @@ class RunWriter:
                 self.path,
                 self._disk_error,
             )
+
+
+_INSERT_POINTS = "INSERT INTO points (run, key, step, epoch, time, value) VALUES (?, ?, ?, ?, ?, ?)"
+_INSERT_EVENTS = (
+    "INSERT INTO events (run, step, epoch, time, kind, level, message, data) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_INT = frozenset({int})
+_INT_OR_NONE = frozenset({int, type(None)})
+_FLOAT = frozenset({float})
+
+
+def _column(column: tuple[Any, ...], kinds: frozenset[type], convert: Any) -> Iterable[Any]:
+    """``column`` as it is when every entry's type is in ``kinds`` (checked in C), else each
+    entry passed through ``convert``."""
+    return column if kinds.issuperset(map(type, column)) else map(convert, column)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _number(value: Any) -> float | None:
