@@ -381,3 +381,15 @@ def test_scheduler_of_another_optimizer_is_refused() -> None:
 def test_loss_scale_manager_args_validation(make: Any, match: str) -> None:
     with pytest.raises((TypeError, ValueError), match=match):
         make()
+
+
+def test_recorder_stores_the_loss_scale_and_skipped_steps(tmp_path: Path) -> None:
+    from stepwatch import RunRecorder, Store
+
+    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=2)
+    model = _model(amp_level="O2", loss_scale_manager=DynamicLossScaleManager(2**10))
+    model.train(1, make_batches(4), callbacks=[recorder, _PoisonGrad(at_step=2)])
+    with Store(tmp_path / "s.db") as store:
+        scales = store.metrics(recorder.run_id, "loss_scale")[1].tolist()
+        skipped = store.metrics(recorder.run_id, "skipped_steps")[1].tolist()
+    assert scales[0] == 2**9 and skipped[-1] == 1
