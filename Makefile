@@ -38,6 +38,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/logging_throughput.py
 	$(PY) bench/memory.py
 	$(PY) bench/gpu_sync.py
+	$(PY) bench/gpu_amp.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
