@@ -203,6 +203,8 @@ def train_epoch(
     clip_norm, clip_value = opts.clip_grad_norm, opts.clip_grad_value
     scheduler = opts.lr_scheduler if opts.lr_interval == "step" else None
     amp = opts.autocast(device)
+    use_amp = opts.precision.autocast
+    simple_step = scaler is None and clip_norm is None and clip_value is None and scheduler is None
     cast = opts.precision.dtype if opts.precision.cast_network else None
     params = [p for group in optimizer.param_groups for p in group["params"]]
     no_sync = getattr(forward, "no_sync", None)  # DDP: skip the all-reduce mid-window
@@ -256,15 +258,15 @@ def train_epoch(
                     data = move(data, device)
                 if not (on_cpu and type(label) is tensor and label.is_cpu):
                     label = move(label, device)
-                if plain:
-                    outputs = forward(data) if type(data) is tensor else feed(forward, data)
-                    loss = loss_fn(outputs, label)
-                else:
-                    if cast is not None:
-                        data = cast_floats(data, cast)
+                if cast is not None:
+                    data = cast_floats(data, cast)
+                if use_amp:
                     with amp:
                         outputs = forward(data) if type(data) is tensor else feed(forward, data)
                         loss = loss_fn(outputs, label)
+                else:
+                    outputs = forward(data) if type(data) is tensor else feed(forward, data)
+                    loss = loss_fn(outputs, label)
             elif plain:
                 loss, outputs = split_loss(feed(forward, move(batch, device)))
             else:
@@ -280,12 +282,14 @@ def train_epoch(
                 scaled = loss / accumulate if accumulate > 1 else loss
                 if scaler is not None:
                     scaled = scaler.scale(scaled)
-                if not stepping and no_sync is not None:
+                if stepping or no_sync is None:
+                    scaled.backward()
+                else:
                     with no_sync():
                         scaled.backward()
-                else:
-                    scaled.backward()
-                if stepping:
+                if stepping and simple_step:
+                    optimizer.step()
+                elif stepping:
                     grad_norm = _optimizer_step(
                         optimizer,
                         params,
