@@ -176,8 +176,11 @@ class PrecisionConfig:
     dynamic_scaling: bool
 
 
-def _half(device: torch.device) -> torch.dtype:
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+def _did_you_mean(given: str, choices: tuple[str, ...]) -> str:
+    for choice in choices:
+        if choice.lower() == given.lower() or choice.startswith(given):
+            return f"; did you mean {choice!r}?"
+    return "."
 
 
 def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> PrecisionConfig:
@@ -194,7 +197,10 @@ def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> P
             )
         name = "32" if precision in ("32", "32-true") else precision
         if name not in PRECISIONS:
-            raise ValueError(f"'precision' must be one of {PRECISIONS}, but got {precision!r}.")
+            raise ValueError(
+                f"'precision' must be one of {PRECISIONS}, but got "
+                f"{precision!r}{_did_you_mean(precision, PRECISIONS)}"
+            )
         if amp_level not in (None, "O0"):
             implied = resolve_precision(amp_level, None, device).name
             if implied != name:
@@ -210,7 +216,10 @@ def resolve_precision(amp_level: Any, precision: Any, device: torch.device) -> P
                 f"'{type(level).__name__}'."
             )
         if level not in AMP_LEVELS:
-            raise ValueError(f"'amp_level' must be one of {AMP_LEVELS}, but got {level!r}.")
+            raise ValueError(
+                f"'amp_level' must be one of {AMP_LEVELS}, but got "
+                f"{level!r}{_did_you_mean(level, AMP_LEVELS)}"
+            )
         cuda = device.type == "cuda"
         if level == "auto":
             if not cuda:
