@@ -140,6 +140,8 @@ def test_spike_args_validation() -> None:
         Spike(window=10, warmup=20)
     with pytest.raises(TypeError, match="'z' must be a number"):
         Spike(z="8")
+    assert Spike(window=10).warmup == 5  # the default warm-up follows a small window
+    assert GradExplosion(window=10).warmup == 10
 
 
 def test_spike_fires_on_the_spike_step_and_not_during_warmup() -> None:

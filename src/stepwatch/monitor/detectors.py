@@ -1,10 +1,9 @@
 """Training-anomaly detectors: small state machines over a stream of values, no PyTorch.
 
-Each detector is fed one sample at a time through ``update(step, ...)`` and answers an
-:class:`Alert` or None. Work per call is O(1) amortised and memory is a fixed-size window, so a
-detector can watch millions of steps. Each fires **once per episode**: after an alert it stays
-quiet until its condition has cleared (each class says what clearing means), then it may fire
-again. Non-finite values are left to :class:`NonFinite`; the other detectors skip them.
+``update(step, ...)`` takes one sample and answers an :class:`Alert` or None, in O(1) amortised
+work and a fixed-size window. Each detector fires **once per episode**: after an alert it stays
+quiet until its condition clears (each class says how), then may fire again. Non-finite values
+are left to :class:`NonFinite`; the others skip them.
 
 Example:
     >>> detectors = make_detectors(["nonfinite", "spike"])
@@ -117,7 +116,7 @@ class Spike(Detector):
         window: values in the rolling median/MAD (default 100).
         z: robust z-score to exceed (default 10: far outside any Gaussian noise).
         min_ratio: the value must also exceed ``min_ratio`` x the median (default 1.5).
-        warmup: values needed before it can fire (default 50).
+        warmup: values needed before it can fire (default: half the window).
         name: what the values are, for the message.
     """
 
@@ -125,14 +124,15 @@ class Spike(Detector):
     _advice = "check the input batch at this step, lower the learning rate or clip gradients"
 
     def __init__(
-        self, window: int = 100, z: float = 10.0, min_ratio: float = 1.5, warmup: int = 50,
-        name: str = "loss",
+        self, window: int = 100, z: float = 10.0, min_ratio: float = 1.5,
+        warmup: int | None = None, name: str = "loss",
     ) -> None:  # fmt: skip
         super().__init__()
         self.window = check_int("window", window, minimum=3)
         self.z = check_number("z", z, minimum=0.0)
         self.min_ratio = check_number("min_ratio", min_ratio, minimum=1.0)
-        self.warmup = check_int("warmup", warmup, minimum=3)
+        warmup = check_int("warmup", warmup, minimum=3, allow_none=True)
+        self.warmup = max(3, self.window // 2) if warmup is None else warmup
         if self.warmup > self.window:
             raise ValueError(f"'warmup' must be <= window ({window}), but got {_got(warmup)}.")
         self.name = _check_name(name)
@@ -176,7 +176,7 @@ class GradExplosion(Spike):
     Args:
         window: norms in the rolling median (default 100).
         factor: x median that counts (default 10: healthy norms swing 2-3x between batches).
-        warmup: norms needed before the relative rule applies (default 20).
+        warmup: norms needed before the relative rule applies (default 20, at most window).
         max_norm: an absolute bound; None for none.
     """
 
@@ -184,11 +184,13 @@ class GradExplosion(Spike):
     _advice = "clip gradients (clip_grad_norm), lower the learning rate or check the input batch"
 
     def __init__(
-        self, window: int = 100, factor: float = 10.0, warmup: int = 20,
+        self, window: int = 100, factor: float = 10.0, warmup: int | None = None,
         max_norm: float | None = None,
     ) -> None:  # fmt: skip
         self.factor = check_number("factor", factor, minimum=1.0)
         self.max_norm = check_number("max_norm", max_norm, minimum=0.0, allow_none=True)
+        window = check_int("window", window, minimum=3)
+        warmup = min(20, window) if warmup is None else warmup
         super().__init__(window=window, z=0.0, min_ratio=self.factor, warmup=warmup)
         self.name = "gradient norm"
 
@@ -478,15 +480,14 @@ _ALL = (NonFinite, Spike, Divergence, Plateau, GradExplosion, GradVanishing, Dyi
 DETECTORS: dict[str, type[Detector]] = {c.kind: c for c in (*_ALL, Overfitting, Threshold)}
 
 
-def _known() -> str:
-    return ", ".join(repr(k) for k in DETECTORS)
+_KNOWN = ", ".join(map(repr, DETECTORS))
 
 
 def _build(kind: Any, options: Any = None) -> Detector:
     if not isinstance(kind, str):
-        raise TypeError(f"detector kinds must be str, but got {_got(kind)}; known: {_known()}.")
+        raise TypeError(f"detector kinds must be str, but got {_got(kind)}; known: {_KNOWN}.")
     if kind not in DETECTORS:
-        raise ValueError(f"unknown detector kind {kind!r}; known: {_known()}.")
+        raise ValueError(f"unknown detector kind {kind!r}; known: {_KNOWN}.")
     cls = DETECTORS[kind]
     if isinstance(options, cls) or options is None:
         return options or cls()
@@ -513,5 +514,5 @@ def make_detectors(spec: Any = None) -> list[Detector]:
         return [_build(kind) for kind in spec]
     raise TypeError(
         "'spec' must be None, a list of detector kinds or a dict of kind -> options, "
-        f"but got {_got(spec)}; known kinds: {_known()}."
+        f"but got {_got(spec)}; known kinds: {_KNOWN}."
     )
