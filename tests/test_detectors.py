@@ -402,12 +402,16 @@ def test_overfitting_needs_the_training_loss_to_fall() -> None:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_overfitting_quiet_on_a_noisy_flat_validation_loss(seed: int) -> None:
+@pytest.mark.parametrize(("noise", "min_rel_rise"), [(0.005, 0.03), (0.01, 0.06)])
+def test_overfitting_quiet_on_a_noisy_flat_validation_loss(
+    seed: int, noise: float, min_rel_rise: float
+) -> None:
+    # the default 3% suits eval noise up to ~0.5%; noisier evaluations need a larger min_rel_rise
     rng = np.random.default_rng(seed)
     n = 200
     train = 2.0 * np.exp(-np.arange(n) / 50.0)
-    evals = 1.0 + 0.005 * rng.standard_normal(n)
-    assert feed_evals(Overfitting(), train, evals) == []
+    evals = 1.0 + noise * rng.standard_normal(n)
+    assert feed_evals(Overfitting(min_rel_rise=min_rel_rise), train, evals) == []
 
 
 # ---- threshold ----

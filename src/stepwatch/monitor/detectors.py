@@ -400,8 +400,9 @@ class DyingReLU(_PerLayer):
 
 class Overfitting(Detector):
     """Fed at evaluations: fires when the validation loss rose at each of the last ``patience``
-    evaluations while the training loss fell over the span, ending over ``min_rel_rise`` above
-    its best. Clears when the validation loss is back within ``min_rel_rise`` of its best.
+    evaluations while the training loss fell over the span, by over ``min_rel_rise`` (relative
+    to its best) across the span and above its best. Clears when the validation loss is back
+    within ``min_rel_rise`` of its best.
 
     Args:
         patience: consecutive rising evaluations (default 3).
@@ -436,7 +437,8 @@ class Overfitting(Detector):
             return None
         evals = [e for _, e in pairs]
         rising = len(pairs) > self.patience and all(b > a for a, b in itertools.pairwise(evals))
-        if not (material and rising and pairs[-1][0] < pairs[0][0]):
+        grew = eval_loss - pairs[0][1] > self.min_rel_rise * abs(best)  # not just noise at best
+        if not (material and rising and grew and pairs[-1][0] < pairs[0][0]):
             return None
         self._active = True
         seen = (
