@@ -200,11 +200,10 @@ class GradExplosion(Spike):
 
 
 class Divergence(Detector):
-    """Fires when the smoothed loss runs away from its best: the EMA of the loss stays above
-    ``best + (factor - 1) * |best|`` for ``patience`` consecutive steps, where ``best`` is the
-    lowest EMA seen after ``warmup`` steps. Each value enters the EMA clipped to at most 4x the
-    current EMA, so one outlier cannot fake a run-away (a real one still crosses within a few
-    steps). The episode clears when the EMA is back under the limit.
+    """Fires when the loss EMA stays above ``best + (factor - 1) * |best|`` for ``patience``
+    steps in a row, ``best`` being the lowest EMA after ``warmup`` steps. Values enter the EMA
+    clipped to 4x it, so one outlier cannot fake a run-away while a real one crosses within a
+    few steps. The episode clears when the EMA is back under the limit.
 
     Args:
         factor: EMA over best that counts (default 2; schedule bumps are tens of percent).
@@ -328,9 +327,9 @@ class _PerLayer(Detector):
 
 
 class GradVanishing(_PerLayer):
-    """Fires when some layer's gradient norm is below ``ratio`` times the largest layer's, for
-    ``patience`` consecutive samples. Clears on a sample where no layer is that small.
-    Pass only trainable layers: a frozen layer's zero norm would count as vanished.
+    """Fires when a layer's gradient norm is under ``ratio`` x the largest layer's for
+    ``patience`` samples in a row; clears on a sample with none that small. Pass only
+    trainable layers: a frozen layer's zero norm would count as vanished.
 
     Args:
         ratio: smallest healthy norm relative to the largest (default 1e-6: healthy networks
