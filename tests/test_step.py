@@ -393,3 +393,19 @@ def test_recorder_stores_the_loss_scale_and_skipped_steps(tmp_path: Path) -> Non
         scales = store.metrics(recorder.run_id, "loss_scale")[1].tolist()
         skipped = store.metrics(recorder.run_id, "skipped_steps")[1].tolist()
     assert scales[0] == 2**9 and skipped[-1] == 1
+
+
+def test_o3_casts_a_separate_eval_network_too() -> None:
+    torch.manual_seed(0)
+    net, scorer = _Net(), _Net()
+    model = Model(
+        net,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        metrics={"accuracy"},
+        eval_network=scorer,
+        device="cpu",
+        amp_level="O3",
+    )
+    assert 0.0 <= model.eval(make_batches(2))["accuracy"] <= 1.0
+    assert scorer.fc1.weight.dtype == torch.bfloat16

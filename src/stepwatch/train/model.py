@@ -154,6 +154,8 @@ class Model:
             lr_interval=lr_interval,
             compile=compile,
         )
+        if step.precision.cast_network and self._eval_network is not None:
+            self._eval_network.to(step.precision.dtype)  # O3: evaluated in half precision too
         self._parts = Parts(
             network=self._network,
             loss_fn=self._loss_fn,
