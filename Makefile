@@ -35,9 +35,11 @@ $(VENV)/.bench-installed: $(STAMP)
 bench: $(VENV)/.bench-installed
 	$(PY) bench/import_time.py
 	$(PY) bench/overhead.py
+	$(PY) bench/step_overhead.py
 	$(PY) bench/logging_throughput.py
 	$(PY) bench/memory.py
 	$(PY) bench/gpu_sync.py
+	$(PY) bench/gpu_amp.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache

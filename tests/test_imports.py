@@ -25,10 +25,13 @@ PACKAGE_ALL = [
     "Callback",
     "CallbackParams",
     "CheckpointConfig",
+    "DynamicLossScaleManager",
     "EarlyStopping",
     "Every",
+    "FixedLossScaleManager",
     "History",
     "LambdaCallback",
+    "LearningRateScheduler",
     "Loss",
     "LossMonitor",
     "Metric",
@@ -51,7 +54,7 @@ PACKAGE_ALL = [
     "load_checkpoint",
     "save_checkpoint",
 ]
-PACKAGE_SUBMODULES = {"dataset", "distributed", "monitor", "store", "train"}
+PACKAGE_SUBMODULES = {"amp", "dataset", "distributed", "monitor", "store", "train"}
 
 
 def _python(code: str, timeout: float = 60) -> str:

@@ -354,3 +354,25 @@ def test_dataloader_generator_is_saved_and_restored(tmp_path: Path, name: str) -
     resumed.train(3, _loader(99), resume_from=tmp_path / name)  # another seed: restored anyway
     for a, b in zip(straight.train_network.parameters(), resumed.train_network.parameters()):
         assert torch.equal(a, b)
+
+
+# -- 6. the run store's path is checked when RunRecorder is created --------------------------
+def test_recorder_db_that_cannot_be_a_run_store_is_refused_at_construction(tmp_path: Path) -> None:
+    import sqlite3
+
+    from stepwatch import RunRecorder
+
+    with pytest.raises(ValueError, match="is a folder; pass a database file"):
+        RunRecorder(db=tmp_path)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a database at all")
+    with pytest.raises(ValueError, match="is not an SQLite database"):
+        RunRecorder(db=text)
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE customers (id INTEGER)")
+    with pytest.raises(ValueError, match="an SQLite database of something else"):
+        RunRecorder(db=other)
+    with pytest.raises(ValueError, match="cannot be created"):
+        RunRecorder(db=text / "x.db")
+    RunRecorder(db=tmp_path / "new" / "runs.db")  # a new file in a new folder is fine

@@ -58,6 +58,13 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     demo.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     demo.add_argument(
+        "--amp",
+        default="O0",
+        choices=("O0", "O1", "O2", "O3", "auto"),
+        help="mixed precision level, as MindSpore's amp_level (default O0: float32; O2 on "
+        "CUDA: float16 with loss scaling, on CPU: bfloat16)",
+    )
+    demo.add_argument(
         "--checkpoint-dir", default="checkpoints", help="where the best model is saved"
     )
     demo.add_argument(
@@ -388,6 +395,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         device=args.device,
         checkpoint_dir=args.checkpoint_dir,
         db=args.db,
+        amp_level=args.amp,
     )
     db, run_id = result.get("db"), result.get("run_id")
     if db is None or run_id is None:

@@ -60,6 +60,7 @@ def run_demo(
     device: str | None = None,
     checkpoint_dir: str = "checkpoints",
     db: str | None = None,
+    amp_level: str = "O0",
 ) -> dict[str, Any]:
     """Train the digits classifier; return what it produced.
 
@@ -76,7 +77,14 @@ def run_demo(
     train, valid = load_digits_datasets(seed=seed)
     network = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     optimizer = torch.optim.Adam(network.parameters(), lr=2e-3)
-    model = Model(network, nn.CrossEntropyLoss(), optimizer, metrics={"accuracy"}, device=device)
+    model = Model(
+        network,
+        nn.CrossEntropyLoss(),
+        optimizer,
+        metrics={"accuracy"},
+        device=device,
+        amp_level=amp_level,
+    )
     history = History()
     best = ModelCheckpoint(
         prefix="digits",
@@ -86,12 +94,15 @@ def run_demo(
         ),
     )
     recorder = RunRecorder(
-        db=db, run_name="digits-demo", config={"seed": seed, "batch_size": 32, "hidden": 128}
+        db=db,
+        run_name="digits-demo",
+        config={"seed": seed, "batch_size": 32, "hidden": 128, "precision": model.precision},
     )
     steps = train.get_dataset_size()
     print(
         f"stepwatch demo: {train.num_rows} training and {valid.num_rows} validation digits, "
-        f"{steps} steps per epoch, {epochs} epochs on {model.device}",
+        f"{steps} steps per epoch, {epochs} epochs on {model.device}"
+        + (f", precision {model.precision}" if model.precision != "32" else ""),
         flush=True,
     )
     model.fit(

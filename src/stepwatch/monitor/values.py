@@ -19,7 +19,8 @@ name                   meaning                                                 b
 =====================  ======================================================  =========
 
 Step values (recorded every few steps): ``step_loss`` (the step's training loss),
-``step_time`` (seconds per step), ``lr`` (first parameter group's learning rate).
+``step_time`` (seconds per step), ``lr`` (first parameter group's learning rate), and with loss
+scaling ``loss_scale`` and ``skipped_steps`` (optimizer steps skipped on an overflow, so far).
 
 "Better" comes from the metric when it declares it (``Metric.direction``, ``'min'`` or
 ``'max'``), otherwise from the name: names holding a loss/error word are minimised, ``lr``
@@ -34,7 +35,9 @@ from typing import Any, Literal
 __all__ = [
     "EVAL_LOSS",
     "LOSS",
+    "LOSS_SCALE",
     "LR",
+    "SKIPPED_STEPS",
     "STEP_LOSS",
     "STEP_TIME",
     "Direction",
@@ -52,6 +55,8 @@ EVAL_LOSS = "eval_loss"
 STEP_LOSS = "step_loss"
 STEP_TIME = "step_time"
 LR = "lr"
+LOSS_SCALE = "loss_scale"
+SKIPPED_STEPS = "skipped_steps"
 
 # Substrings of a name for which smaller is better.
 _SMALLER_IS_BETTER = (

@@ -70,6 +70,48 @@ def resolve_path(db: str | os.PathLike[str] | None) -> Path:
     return Path(db)
 
 
+def check_writable_db(path: Path, argname: str = "db") -> None:
+    """Raise ValueError now for a path that cannot hold a run store: a folder, a file that is
+    not SQLite, an SQLite file of another program, or a place that cannot be written."""
+    if path.is_dir():
+        raise ValueError(
+            f"'{argname}' {str(path)!r} is a folder; pass a database file such as "
+            f"{str(path / 'stepwatch.db')!r}."
+        )
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                header = f.read(16)
+        except OSError as exc:
+            raise ValueError(f"'{argname}' {str(path)!r} cannot be read: {exc.strerror}") from None
+        if header and header != b"SQLite format 3\x00":
+            raise ValueError(
+                f"'{argname}' {str(path)!r} is not an SQLite database (a stepwatch run store); "
+                "pass a new file name or an existing run store."
+            )
+        if header:
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            except sqlite3.DatabaseError as exc:
+                raise ValueError(f"'{argname}' {str(path)!r} is not readable: {exc}") from None
+            finally:
+                conn.close()
+            if tables and "meta" not in tables:
+                raise ValueError(
+                    f"'{argname}' {str(path)!r} is an SQLite database of something else (tables "
+                    f"{sorted(tables)[:5]}); pass a file of its own for the run store."
+                )
+        return
+    probe = path.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"'{argname}' {str(path)!r} cannot be created: {str(probe)!r} is a file.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"'{argname}' {str(path)!r} cannot be created: no permission.")
+
+
 def connect_for_writing(path: Path) -> sqlite3.Connection:
     """Open (creating if needed) the database in WAL mode, ready for concurrent writers."""
     path.parent.mkdir(parents=True, exist_ok=True)

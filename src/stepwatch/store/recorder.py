@@ -16,6 +16,8 @@ from .._validation import check_int, check_number
 from ..monitor import values as names
 from ..monitor.schedule import Every
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
+from ..train.step import scale_tensor
+from ._schema import check_writable_db, resolve_path
 from .writer import RunWriter
 
 __all__ = ["RunRecorder"]
@@ -134,6 +136,7 @@ class RunRecorder(Callback):
             raise TypeError(
                 f"'db' must be a path or None, but got {db!r} with type '{type(db).__name__}'."
             )
+        check_writable_db(resolve_path(db))
         if run_name is not None and not isinstance(run_name, str):
             raise TypeError(f"'run_name' must be a str or None, but got {type(run_name).__name__}.")
         if config is not None and not isinstance(config, dict):
@@ -250,6 +253,14 @@ class RunRecorder(Callback):
             writer.log(names.STEP_TIME, elapsed / (step - self._transfer_step), step, epoch)
             if p.optimizer is not None:
                 writer.log(names.LR, p.lr, step, epoch)
+            scaler = p.get("loss_scaler")
+            if scaler is not None:
+                # Device tensors, read on the writer thread: no sync here.
+                writer.log(names.LOSS_SCALE, scale_tensor(scaler), step, epoch)
+                skipped = p.progress.skipped_steps
+                if isinstance(skipped, torch.Tensor):
+                    skipped = skipped.detach().clone()
+                writer.log(names.SKIPPED_STEPS, skipped, step, epoch)
         self._transfer_step = step
         if not losses:
             return

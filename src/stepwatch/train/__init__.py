@@ -8,6 +8,7 @@ from .callback import (
     EarlyStopping,
     History,
     LambdaCallback,
+    LearningRateScheduler,
     LossMonitor,
     ModelCheckpoint,
     OnRequestExit,
@@ -29,6 +30,7 @@ from .metrics import (
 )
 from .model import Model
 from .serialization import load_checkpoint, save_checkpoint
+from .step import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 
 __all__ = [
     "MAE",
@@ -37,11 +39,15 @@ __all__ = [
     "BackupAndRestore",
     "Callback",
     "CheckpointConfig",
+    "DynamicLossScaleManager",
     "EarlyStopping",
+    "FixedLossScaleManager",
     "History",
     "LambdaCallback",
+    "LearningRateScheduler",
     "Loss",
     "LossMonitor",
+    "LossScaleManager",
     "Metric",
     "Model",
     "ModelCheckpoint",

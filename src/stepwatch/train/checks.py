@@ -12,6 +12,7 @@ raw torch error at step 1 (or, worse, silent garbage).
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from typing import Any
 
@@ -20,8 +21,15 @@ from torch import nn
 
 from ..dataset import NumpySlicesDataset, feed, move
 from .resume import rng_state, set_rng_state
+from .step import StepOptions, cast_floats
 
-__all__ = ["check_first_batch", "check_optimizer"]
+__all__ = [
+    "RESERVED",
+    "check_first_batch",
+    "check_optimizer",
+    "class_hint",
+    "resolve_device",
+]
 
 _CLASS_LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 _SAME_SHAPE_LOSSES = (
@@ -149,7 +157,12 @@ def _check_metrics(outputs: Any, label: Any, loss: Any, metrics: dict[str, Any])
 
 
 def check_first_batch(
-    network: nn.Module, loss_fn: Any, metrics: dict[str, Any], dataset: Any, device: Any
+    network: nn.Module,
+    loss_fn: Any,
+    metrics: dict[str, Any],
+    dataset: Any,
+    device: Any,
+    step: StepOptions | None = None,
 ) -> None:
     """Run the first batch through ``network`` and ``loss_fn`` and check labels and outputs.
 
@@ -168,10 +181,14 @@ def check_first_batch(
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         data, label = move(batch[0], device), move(batch[1], device)
+        step = step if step is not None else StepOptions()
+        if step.precision.cast_network and step.precision.dtype is not None:
+            data = cast_floats(data, step.precision.dtype)
+        amp = step.autocast(torch.device(device))
         was_training = network.training
         network.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), amp:
                 outputs = feed(network, data)
                 _check_loss(outputs, label, loss_fn)
                 if not _is_torch_loss(loss_fn):
@@ -196,3 +213,97 @@ def check_first_batch(
             network.train(was_training)
     finally:
         set_rng_state(state)
+
+
+# Names a metric may not take, because cb_params already uses them.
+RESERVED = frozenset(
+    {
+        "cur_step_num",
+        "cur_epoch_num",
+        "epoch_num",
+        "batch_num",
+        "net_outputs",
+        "train_network",
+        "network",
+        "loss_fn",
+        "optimizer",
+        "mode",
+        "parallel_mode",
+        "device_number",
+        "rank_id",
+        "train_dataset",
+        "train_dataset_element",
+        "dataset_sink_mode",
+        "list_callback",
+        "last_save_ckpt_step",
+        "latest_ckpt_file",
+        "initial_step",
+        "initial_epoch",
+        "eval_network",
+        "valid_dataset",
+        "eval_dataset_element",
+        "metrics",
+        "eval_results",
+        "train_results",
+        "outputs",
+        "step_time",
+        "lr",
+        "device",
+        "get",
+        "keys",
+        "items",
+    }
+)
+
+
+def resolve_device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"'device' must name a torch device such as 'cpu' or 'cuda:0', but got {device!r}."
+            ) from exc
+    if isinstance(device, torch.device):
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"'device' is {str(device)!r}, but this PyTorch sees no CUDA GPU (a CPU-only "
+                "build, or no GPU on this machine); pass device='cpu', or None to pick what "
+                "is there."
+            )
+        if device.type == "cuda" and device.index is not None:
+            count = torch.cuda.device_count()
+            if device.index >= count:
+                raise ValueError(
+                    f"'device' is {str(device)!r}, but there are {count} CUDA devices "
+                    f"(cuda:0..cuda:{count - 1})."
+                )
+        return device
+    raise TypeError(
+        f"'device' must be None, a str or a torch.device, but got {device!r} with type "
+        f"'{type(device).__name__}'."
+    )
+
+
+def is_dataset(value: Any) -> bool:
+    """A dataset of batches, as ``predict`` accepts it (not a tensor or array of inputs)."""
+    if isinstance(value, (torch.utils.data.DataLoader, NumpySlicesDataset)):
+        return True
+    return isinstance(value, list) and bool(value) and all(isinstance(b, tuple) for b in value)
+
+
+def data_of(batch: Any) -> Any:
+    """The input part of a batch: ``data`` of ``(data, label)``, else the batch."""
+    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
+        return batch[0]
+    return batch
+
+
+def class_hint(name: str, value: Any, what: str) -> None:
+    if inspect.isclass(value):
+        raise TypeError(
+            f"'{name}' must be {what} instance, but got the class {value.__name__}: pass "
+            f"{value.__name__}(...) instead."
+        )

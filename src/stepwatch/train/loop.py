@@ -13,16 +13,13 @@ import math
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..dataset import (
     ContinuingBatches,
     check_batch,
-    dataset_size,
     feed,
     move,
     set_epoch,
@@ -30,103 +27,20 @@ from ..dataset import (
 )
 from ..distributed import rank_and_world
 from .callback._callback import CallbackList, CallbackParams, RunContext
+from .evaluate import eval_in_fit
+from .parts import _LOSS_CHUNK, Parts, RunPlan, _evaluate, _fold, new_cb_params
 from .resume import find_resume_point, rng_state, set_rng_state, skip_then_restore
+from .step import cast_floats, found_inf
 
-__all__ = ["Parts", "RunPlan", "eval_pass", "new_cb_params", "run"]
+__all__ = ["Parts", "RunPlan", "new_cb_params", "run", "train_epoch"]
 
 logger = logging.getLogger("stepwatch")
-
-# Step losses are folded into the epoch sum in chunks: one stack+sum per chunk keeps the
-# per-step cost to a list append and never waits for the device.
-_LOSS_CHUNK = 256
-
-
-@dataclass
-class Parts:
-    """What the loop trains and evaluates with (a ``Model`` hands over its own)."""
-
-    network: nn.Module
-    loss_fn: Any
-    optimizer: torch.optim.Optimizer | None
-    device: torch.device
-    metrics: dict[str, Any]
-    eval_network: nn.Module
-    # Training-batch metrics accumulate in their own copies so validation never mixes in.
-    train_metrics: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def train_network(self) -> nn.Module:
-        return self.network
-
-
-@dataclass
-class RunPlan:
-    """One ``train``/``fit`` call, its arguments checked."""
-
-    epoch: int
-    train_dataset: Iterable[Any]
-    callbacks: CallbackList
-    batch_num: int
-    valid_dataset: Iterable[Any] | None = None
-    valid_frequency: int | list[int] = 1
-    dataset_sink_mode: bool = False
-    sink_size: int = -1
-    initial_epoch: int = 0
-    resume_from: Any = None
-
-
-def _fold(total: torch.Tensor | None, pending: list[torch.Tensor]) -> torch.Tensor | None:
-    if not pending:
-        return total
-    chunk = torch.stack(pending).float().sum()
-    pending.clear()
-    return chunk if total is None else total + chunk
-
-
-def _to_python(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return float(value)
-    if hasattr(value, "item") and getattr(value, "shape", None) == ():
-        return value.item()
-    return value
-
-
-def _evaluate(name: str, metric: Any) -> Any:
-    """``metric.eval()`` as a Python value; an error names the metric, as a callback's does."""
-    try:
-        return _to_python(metric.eval())
-    except BaseException as exc:
-        exc.add_note(f"(raised in metric {name!r}, {type(metric).__name__}.eval)")
-        raise
 
 
 def should_eval(epoch_number: int, valid_frequency: int | list[int]) -> bool:
     if isinstance(valid_frequency, list):
         return epoch_number in valid_frequency
     return epoch_number % valid_frequency == 0
-
-
-def new_cb_params(parts: Parts, cb_list: CallbackList, rank: int, world: int) -> CallbackParams:
-    """The cb_params every run starts from (mode ``'eval'``; a training run switches it)."""
-    return CallbackParams(
-        train_network=parts.network,
-        network=parts.network,
-        eval_network=parts.eval_network,
-        loss_fn=parts.loss_fn,
-        optimizer=parts.optimizer,
-        metrics=parts.metrics,
-        device=parts.device,
-        rank_id=rank,
-        device_number=world,
-        parallel_mode="data_parallel" if world > 1 else "stand_alone",
-        list_callback=cb_list,
-        mode="eval",
-        cur_step_num=0,
-        cur_epoch_num=0,
-        last_save_ckpt_step=None,
-        latest_ckpt_file=None,
-        step_time=0.0,
-    )
 
 
 def run(parts: Parts, plan: RunPlan) -> None:
@@ -173,6 +87,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
         # Steps continue from the checkpoint; the skipped batches were trained before it.
         cb_params.cur_step_num = resume.step
         cb_params.cur_epoch_num = initial_epoch
+        cb_params.progress.skipped_steps = int(resume.state.get("skipped_steps", 0))
 
     progress = cb_params.progress
     progress.trained_step = cb_params.cur_step_num
@@ -208,6 +123,9 @@ def run(parts: Parts, plan: RunPlan) -> None:
             if valid_dataset is not None and should_eval(epoch_index + 1, plan.valid_frequency):
                 eval_in_fit(parts, valid_dataset, cb_list, cb_params, run_context, metric_names)
             cb_list.call("on_train_epoch_end", run_context)
+            scheduler = parts.step.lr_scheduler
+            if scheduler is not None and parts.step.lr_interval == "epoch" and train_results:
+                scheduler.step()  # after the epoch's callbacks, so they saw this epoch's LR
             epoch_loss = train_results.get("loss")
             # Nobody acted on a diverged loss (a monitor would have raised or stopped the run):
             # say so once. The epoch mean was read anyway, so this costs no sync.
@@ -254,14 +172,19 @@ def train_epoch(
 
     * Nothing here reads a value back from the device per step: step losses are kept as
       detached tensors and summed in chunks; the one host read is the epoch mean at the end.
-    * Gradients are zeroed at the *start* of a step, so step-end hooks can read ``.grad``.
-    * ``cb_params.progress.trained_step`` is the last step whose optimizer update finished;
-      a step that raises half-way is not counted (a breakpoint checkpoint resumes at it).
+      (The one exception, documented: with loss scaling and a per-step LR schedule, each
+      optimizer step reads whether it was skipped, so a skipped step does not advance it.)
+    * Gradients are zeroed at the *start* of a step (of an accumulation window), so step-end
+      hooks can read ``.grad``.
+    * ``cb_params.progress.trained_step`` is the last step whose backward (and, at a window's
+      end, optimizer update) finished; a step that raises half-way is not counted.
     * With no step hooks, cb_params' per-step fields (``cur_step_num``, ``loss_tensor``,
       ``outputs``, ``train_dataset_element``, ``step_time``) are set once after the loop:
       nobody can look at them during the epoch, so the loop does only the training.
     * ``step_time`` covers loading the batch, the step-begin hooks and the step, not the
       step-end hooks.
+    * The plain fp32 step (no autocast, scaling, clipping, accumulation or schedule) takes the
+      shortest path; the other options add only their own work.
     * A stop requested in a step hook ends the epoch after that step.
     """
     network, loss_fn, optimizer, device = (
@@ -271,6 +194,21 @@ def train_epoch(
         parts.device,
     )
     assert optimizer is not None
+    opts = parts.step
+    forward = opts.forward_network if opts.forward_network is not None else network
+    plain = opts.plain
+    scaler = opts.scaler
+    grad_scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
+    accumulate = opts.accumulate
+    clip_norm, clip_value = opts.clip_grad_norm, opts.clip_grad_value
+    scheduler = opts.lr_scheduler if opts.lr_interval == "step" else None
+    amp = opts.autocast(device)
+    use_amp = opts.precision.autocast
+    simple_step = scaler is None and clip_norm is None and clip_value is None and scheduler is None
+    cast = opts.precision.dtype if opts.precision.cast_network else None
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    no_sync = getattr(forward, "no_sync", None)  # DDP: skip the all-reduce mid-window
+    batch_num = cb_params.batch_num
     step_begin = cb_list.fns["on_train_step_begin"]
     step_end = cb_list.fns["on_train_step_end"]
     train_metrics = list(parts.train_metrics.values()) if loss_fn is not None else []
@@ -285,10 +223,14 @@ def train_epoch(
     on_cpu = device.type == "cpu"
     tensor = torch.Tensor
     hooked = bool(step_begin or step_end)
+    # The first step of a compiled network includes the compile: timed on its own.
+    time_first = opts.forward_network is not None and "compile_seconds" not in cb_params
     epoch_start = last_step_end = perf_counter()
     batch: Any = None
     detached: Any = None
     outputs: Any = None
+    grad_norm: Any = None
+    stepping = True
     try:
         for batch in batches:
             step += 1
@@ -297,8 +239,14 @@ def train_epoch(
                 cb_params.train_dataset_element = batch
                 for fn in step_begin:
                     fn(run_context)
-            # Zero at the start of the step so step-end hooks can still read the gradients.
-            optimizer.zero_grad(set_to_none=True)
+            if plain:
+                # Zero at the start of the step so step-end hooks can still read the gradients.
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                index = (step - 1) % batch_num
+                stepping = (index + 1) % accumulate == 0 or index + 1 == batch_num
+                if index % accumulate == 0:
+                    optimizer.zero_grad(set_to_none=True)  # the start of a window
             if loss_fn is not None:
                 try:
                     data, label = batch
@@ -310,12 +258,48 @@ def train_epoch(
                     data = move(data, device)
                 if not (on_cpu and type(label) is tensor and label.is_cpu):
                     label = move(label, device)
-                outputs = network(data) if type(data) is tensor else feed(network, data)
-                loss = loss_fn(outputs, label)
+                if cast is not None:
+                    data = cast_floats(data, cast)
+                if use_amp:
+                    with amp:
+                        outputs = forward(data) if type(data) is tensor else feed(forward, data)
+                        loss = loss_fn(outputs, label)
+                else:
+                    outputs = forward(data) if type(data) is tensor else feed(forward, data)
+                    loss = loss_fn(outputs, label)
+            elif plain:
+                loss, outputs = split_loss(feed(forward, move(batch, device)))
             else:
-                loss, outputs = split_loss(feed(network, move(batch, device)))
-            loss.backward()
-            optimizer.step()
+                inputs = move(batch, device)
+                if cast is not None:
+                    inputs = cast_floats(inputs, cast)
+                with amp:
+                    loss, outputs = split_loss(feed(forward, inputs))
+            if plain:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaled = loss / accumulate if accumulate > 1 else loss
+                if scaler is not None:
+                    scaled = scaler.scale(scaled)
+                if stepping or no_sync is None:
+                    scaled.backward()
+                else:
+                    with no_sync():
+                        scaled.backward()
+                if stepping and simple_step:
+                    optimizer.step()
+                elif stepping:
+                    grad_norm = _optimizer_step(
+                        optimizer,
+                        params,
+                        scaler,
+                        grad_scaler,
+                        clip_norm,
+                        clip_value,
+                        progress,
+                        scheduler,
+                    )
             detached = loss.detach()
             pending.append(detached)
             if len(pending) == _LOSS_CHUNK:
@@ -323,11 +307,17 @@ def train_epoch(
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)
+            if time_first:
+                time_first = False
+                cb_params.compile_seconds = perf_counter() - last_step_end
             if hooked:
                 cb_params.step_time = perf_counter() - last_step_end
                 progress.trained_step = step
                 cb_params.loss_tensor = detached
                 cb_params.outputs = outputs.detach() if type(outputs) is tensor else outputs
+                if not plain:
+                    cb_params.optimizer_stepped = stepping
+                    cb_params.grad_norm = grad_norm if stepping else None
                 for fn in step_end:
                     fn(run_context)
                 last_step_end = perf_counter()  # the hooks' time is not the next step's
@@ -343,6 +333,9 @@ def train_epoch(
         cb_params.step_time = (perf_counter() - epoch_start) / steps
         cb_params.loss_tensor = detached
         cb_params.outputs = outputs.detach() if type(outputs) is tensor else outputs
+        if not plain:
+            cb_params.optimizer_stepped = stepping
+            cb_params.grad_norm = grad_norm if stepping else None
     total = _fold(total, pending)
     results: dict[str, Any] = {}
     if total is not None and steps:
@@ -353,95 +346,34 @@ def train_epoch(
     return results
 
 
-def eval_in_fit(
-    parts: Parts,
-    valid_dataset: Iterable[Any],
-    cb_list: CallbackList,
-    cb_params: CallbackParams,
-    run_context: RunContext,
-    metric_names: list[str],
-) -> None:
-    """Validate inside ``fit``: the same cb_params, switched to the evaluation and back."""
-    batch_num = dataset_size(valid_dataset, "valid_dataset")
-    with cb_params.evaluating(batch_num, hide=metric_names):
-        eval_pass(parts, valid_dataset, batch_num, cb_list, cb_params, run_context)
-
-
-def eval_pass(
-    parts: Parts,
-    dataset: Iterable[Any],
-    batch_num: int,
-    cb_list: CallbackList,
-    cb_params: CallbackParams,
-    run_context: RunContext,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Evaluate the metrics on ``dataset``; return ``(metrics, eval_results)``.
-
-    From ``on_eval_epoch_end`` on, cb_params shows this pass's own values: each metric as an
-    attribute and ``loss`` as the pass's mean loss; ``eval_results`` (the metrics plus
-    ``eval_loss``) is set before ``on_eval_end``.
-    """
-    network = parts.eval_network
-    loss_fn, device = parts.loss_fn, parts.device
-    cb_params.mode = "eval"
-    cb_params.valid_dataset = dataset
-    cb_params.batch_num = batch_num
-    step_begin = cb_list.table["on_eval_step_begin"]
-    step_end = cb_list.table["on_eval_step_end"]
-    call = cb_list.call
-    metric_items = list(parts.metrics.values())
-    for metric in metric_items:
-        metric.clear()
-    pending: list[torch.Tensor] = []
-    total: torch.Tensor | None = None
-    steps = 0
-    was_training = network.training
-    network.eval()
-    try:
-        call("on_eval_begin", run_context)
-        call("on_eval_epoch_begin", run_context)
-        with torch.no_grad():
-            for batch in dataset:
-                steps += 1
-                cb_params.cur_step_num = steps
-                cb_params.eval_dataset_element = batch
-                if step_begin:
-                    call("on_eval_step_begin", run_context)
-                try:
-                    data, label = batch
-                except (TypeError, ValueError):
-                    check_batch(batch, "valid_dataset", loss_fn is not None)
-                    raise
-                data, label = move(data, device), move(label, device)
-                outputs = feed(network, data)
-                loss = loss_fn(outputs, label) if loss_fn is not None else None
-                for metric in metric_items:
-                    if getattr(metric, "uses_loss", False):
-                        if loss is not None:
-                            metric.update(loss)
-                    else:
-                        metric.update(outputs, label)
-                if loss is not None:
-                    pending.append(loss)
-                    if len(pending) == _LOSS_CHUNK:
-                        total = _fold(total, pending)
-                cb_params.loss_tensor = loss
-                cb_params.outputs = outputs  # computed under no_grad: no graph
-                if step_end:
-                    call("on_eval_step_end", run_context)
-        metrics = {name: _evaluate(name, m) for name, m in parts.metrics.items()}
-        results = dict(metrics)
-        cb_params.metrics = metrics  # from here on the values, as MindSpore has them
-        total = _fold(total, pending)
-        if total is not None and steps:
-            results["eval_loss"] = float(total) / steps
-        for name, value in metrics.items():
-            if name != "loss":
-                setattr(cb_params, name, value)
-        cb_params.loss = results.get("eval_loss")
-        call("on_eval_epoch_end", run_context)
-        cb_params.eval_results = results
-        call("on_eval_end", run_context)
-    finally:
-        network.train(was_training)
-    return metrics, results
+def _optimizer_step(
+    optimizer: Any,
+    params: list[Any],
+    scaler: Any,
+    grad_scaler: Any,
+    clip_norm: float | None,
+    clip_value: float | None,
+    progress: Any,
+    scheduler: Any,
+) -> Any:
+    """Unscale, clip, step (skipping an overflowed step under a GradScaler), advance the
+    per-step LR schedule; return the pre-clip gradient norm (a device tensor) or None."""
+    grad_norm = None
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if clip_norm is not None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
+    elif clip_value is not None:
+        torch.nn.utils.clip_grad_value_(params, clip_value, foreach=True)
+    overflow = None
+    if grad_scaler is not None:
+        overflow = found_inf(grad_scaler, optimizer)
+        grad_scaler.step(optimizer)
+        grad_scaler.update()
+        if overflow is not None:
+            progress.skipped_steps = overflow + progress.skipped_steps  # stays on the device
+    else:
+        optimizer.step()
+    if scheduler is not None and (overflow is None or not bool(overflow)):
+        scheduler.step()  # after the optimizer step; a skipped step does not advance it
+    return grad_norm

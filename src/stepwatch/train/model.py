@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 import os
 import warnings
 from collections.abc import Iterable
@@ -13,109 +12,26 @@ import torch
 from torch import nn
 
 from .._validation import check_bool, check_int
-from ..dataset import NumpySlicesDataset, check_first_batch, dataset_size, feed, move
+from ..dataset import check_first_batch, dataset_size, feed, move
 from ..distributed import rank_and_world
 from .callback._callback import CallbackList, RunContext, normalize_callbacks
 from .callback.history import History
+from .checks import (
+    RESERVED,
+    check_optimizer,
+    class_hint,
+    data_of,
+    is_dataset,
+    resolve_device,
+)
 from .checks import check_first_batch as check_first_forward
-from .checks import check_optimizer
-from .loop import Parts, RunPlan, eval_pass, new_cb_params, run
+from .evaluate import eval_pass
+from .loop import run
 from .metrics import build_metrics
+from .parts import Parts, RunPlan, new_cb_params
+from .step import LossScaleManager, build_step_options
 
 __all__ = ["Model"]
-
-# Names a metric may not take, because cb_params already uses them.
-_RESERVED = frozenset(
-    {
-        "cur_step_num",
-        "cur_epoch_num",
-        "epoch_num",
-        "batch_num",
-        "net_outputs",
-        "train_network",
-        "network",
-        "loss_fn",
-        "optimizer",
-        "mode",
-        "parallel_mode",
-        "device_number",
-        "rank_id",
-        "train_dataset",
-        "train_dataset_element",
-        "dataset_sink_mode",
-        "list_callback",
-        "last_save_ckpt_step",
-        "latest_ckpt_file",
-        "initial_step",
-        "initial_epoch",
-        "eval_network",
-        "valid_dataset",
-        "eval_dataset_element",
-        "metrics",
-        "eval_results",
-        "train_results",
-        "outputs",
-        "step_time",
-        "lr",
-        "device",
-        "get",
-        "keys",
-        "items",
-    }
-)
-
-
-def _resolve_device(device: Any) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, str):
-        try:
-            device = torch.device(device)
-        except RuntimeError as exc:
-            raise ValueError(
-                f"'device' must name a torch device such as 'cpu' or 'cuda:0', but got {device!r}."
-            ) from exc
-    if isinstance(device, torch.device):
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"'device' is {str(device)!r}, but this PyTorch sees no CUDA GPU (a CPU-only "
-                "build, or no GPU on this machine); pass device='cpu', or None to pick what "
-                "is there."
-            )
-        if device.type == "cuda" and device.index is not None:
-            count = torch.cuda.device_count()
-            if device.index >= count:
-                raise ValueError(
-                    f"'device' is {str(device)!r}, but there are {count} CUDA devices "
-                    f"(cuda:0..cuda:{count - 1})."
-                )
-        return device
-    raise TypeError(
-        f"'device' must be None, a str or a torch.device, but got {device!r} with type "
-        f"'{type(device).__name__}'."
-    )
-
-
-def _is_dataset(value: Any) -> bool:
-    """A dataset of batches, as ``predict`` accepts it (not a tensor or array of inputs)."""
-    if isinstance(value, (torch.utils.data.DataLoader, NumpySlicesDataset)):
-        return True
-    return isinstance(value, list) and bool(value) and all(isinstance(b, tuple) for b in value)
-
-
-def _data_of(batch: Any) -> Any:
-    """The input part of a batch: ``data`` of ``(data, label)``, else the batch."""
-    if isinstance(batch, (tuple, list)) and len(batch) in (1, 2):
-        return batch[0]
-    return batch
-
-
-def _class_hint(name: str, value: Any, what: str) -> None:
-    if inspect.isclass(value):
-        raise TypeError(
-            f"'{name}' must be {what} instance, but got the class {value.__name__}: pass "
-            f"{value.__name__}(...) instead."
-        )
 
 
 class Model:
@@ -132,6 +48,22 @@ class Model:
             predictions. Needed for evaluation when ``loss_fn`` is None.
         device: where to train; ``None`` picks CUDA when available, else the CPU. The networks
             are moved there and each batch is copied there with ``non_blocking=True``.
+        amp_level: MindSpore's mixed precision level: ``'O0'`` (float32), ``'O1'`` (autocast),
+            ``'O2'`` (autocast and, in float16, dynamic loss scaling), ``'O3'`` (the network
+            in half precision), ``'auto'`` (per device). See :mod:`stepwatch.train.step`.
+        precision: the same in PyTorch's words: ``'32'``, ``'bf16-mixed'``, ``'16-mixed'``,
+            ``'bf16-true'``, ``'16-true'`` (an alias of ``amp_level``, not a second path).
+        loss_scale_manager: ``FixedLossScaleManager`` or ``DynamicLossScaleManager`` (needs
+            mixed precision). A step whose gradients overflow is skipped and counted.
+        clip_grad_norm: scale the gradients down to this global norm (after unscaling).
+        clip_grad_value: or clamp each gradient to ``[-value, value]``.
+        accumulate_grad_batches: step the optimizer every N batches (and at the epoch's end),
+            the loss divided by N.
+        lr_scheduler: a ``torch.optim.lr_scheduler`` scheduler of ``optimizer``, stepped after
+            the optimizer every optimizer step (``lr_interval='step'``) or every epoch
+            (``'epoch'``); its state is saved in checkpoints.
+        compile: ``True`` or a dict of ``torch.compile`` options: the network is compiled once
+            for training; checkpoints hold the uncompiled module's weights.
 
     Raises:
         TypeError: an argument has the wrong type (a class instead of an instance too).
@@ -153,34 +85,44 @@ class Model:
         metrics: Any = None,
         eval_network: nn.Module | None = None,
         device: str | torch.device | None = None,
+        *,
+        amp_level: str = "O0",
+        precision: str | None = None,
+        loss_scale_manager: LossScaleManager | None = None,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
+        accumulate_grad_batches: int = 1,
+        lr_scheduler: Any = None,
+        lr_interval: str = "step",
+        compile: bool | dict[str, Any] = False,
     ) -> None:
-        _class_hint("network", network, "an nn.Module")
+        class_hint("network", network, "an nn.Module")
         if not isinstance(network, nn.Module):
             raise TypeError(
                 f"'network' must be a torch.nn.Module, but got {network!r} with type "
                 f"'{type(network).__name__}'."
             )
-        _class_hint("loss_fn", loss_fn, "a loss function or nn.Module")
+        class_hint("loss_fn", loss_fn, "a loss function or nn.Module")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(
                 f"'loss_fn' must be a callable loss_fn(output, label) or None, but got "
                 f"{loss_fn!r} with type '{type(loss_fn).__name__}'."
             )
-        _class_hint("optimizer", optimizer, "a torch.optim.Optimizer")
+        class_hint("optimizer", optimizer, "a torch.optim.Optimizer")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"'optimizer' must be a torch.optim.Optimizer or None, but got {optimizer!r} "
                 f"with type '{type(optimizer).__name__}'."
             )
-        _class_hint("eval_network", eval_network, "an nn.Module")
+        class_hint("eval_network", eval_network, "an nn.Module")
         if eval_network is not None and not isinstance(eval_network, nn.Module):
             raise TypeError(
                 f"'eval_network' must be a torch.nn.Module or None, but got {eval_network!r} "
                 f"with type '{type(eval_network).__name__}'."
             )
-        self._device = _resolve_device(device)
+        self._device = resolve_device(device)
         self._metric_fns = build_metrics(metrics)
-        clash = sorted(set(self._metric_fns) & _RESERVED)
+        clash = sorted(set(self._metric_fns) & RESERVED)
         if clash:
             raise ValueError(
                 f"'metrics' names {clash} clash with cb_params fields; use other names, e.g. "
@@ -198,6 +140,20 @@ class Model:
             for name, m in self._metric_fns.items()
             if not getattr(m, "uses_loss", False)
         }
+        step = build_step_options(
+            self._network,
+            optimizer,
+            self._device,
+            amp_level=amp_level,
+            precision=precision,
+            loss_scale_manager=loss_scale_manager,
+            clip_grad_norm=clip_grad_norm,
+            clip_grad_value=clip_grad_value,
+            accumulate_grad_batches=accumulate_grad_batches,
+            lr_scheduler=lr_scheduler,
+            lr_interval=lr_interval,
+            compile=compile,
+        )
         self._parts = Parts(
             network=self._network,
             loss_fn=self._loss_fn,
@@ -206,6 +162,7 @@ class Model:
             metrics=self._metric_fns,
             eval_network=self.eval_network,
             train_metrics=train_metric_fns,
+            step=step,
         )
 
     # -- public properties ----------------------------------------------------------------
@@ -228,6 +185,20 @@ class Model:
     @property
     def metrics(self) -> dict[str, Any]:
         return dict(self._metric_fns)
+
+    @property
+    def precision(self) -> str:
+        """What ``amp_level`` / ``precision`` resolved to: ``'32'``, ``'bf16-mixed'``, ..."""
+        return self._parts.step.precision.name
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self._parts.step.lr_scheduler
+
+    @property
+    def loss_scaler(self) -> Any:
+        """The ``torch.amp.GradScaler`` of loss scaling, or None."""
+        return self._parts.step.scaler
 
     # -- argument checks ------------------------------------------------------------------
     @staticmethod
@@ -401,7 +372,12 @@ class Model:
         batch_num = dataset_size(valid_dataset, "valid_dataset")
         check_first_batch(valid_dataset, "valid_dataset", self._loss_fn is not None)
         check_first_forward(
-            self.eval_network, self._loss_fn, self._metric_fns, valid_dataset, self._device
+            self.eval_network,
+            self._loss_fn,
+            self._metric_fns,
+            valid_dataset,
+            self._device,
+            self._parts.step,
         )
         cb_params = new_cb_params(self._parts, cb_list, rank, world)
         cb_params.cur_epoch_num = 1
@@ -428,10 +404,8 @@ class Model:
         net.eval()
         try:
             with torch.no_grad():
-                if len(inputs) == 1 and _is_dataset(inputs[0]):
-                    outputs = [
-                        feed(net, move(_data_of(batch), self._device)) for batch in inputs[0]
-                    ]
+                if len(inputs) == 1 and is_dataset(inputs[0]):
+                    outputs = [feed(net, move(data_of(batch), self._device)) for batch in inputs[0]]
                     if not outputs:
                         raise ValueError("'predict' got an empty dataset.")
                     if all(isinstance(o, torch.Tensor) for o in outputs):
@@ -477,7 +451,12 @@ class Model:
         batch_num = dataset_size(train_dataset, "train_dataset")
         check_first_batch(train_dataset, "train_dataset", self._loss_fn is not None)
         check_first_forward(
-            self._network, self._loss_fn, self._metric_fns, train_dataset, self._device
+            self._network,
+            self._loss_fn,
+            self._metric_fns,
+            train_dataset,
+            self._device,
+            self._parts.step,
         )
         plan = RunPlan(
             epoch=epoch,

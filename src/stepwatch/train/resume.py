@@ -126,6 +126,10 @@ class ResumePoint:
         return self.state.get("callbacks", {})
 
 
+def _state_of(obj: Any) -> dict[str, Any] | None:
+    return obj.state_dict() if obj is not None else None
+
+
 def find_resume_point(
     resume_from: str | os.PathLike[str] | None,
     callbacks: Iterable[Any],
@@ -247,6 +251,9 @@ def build_checkpoint(
         "rng": rng_state(getattr(cb_params, "train_dataset", None)),
         "epoch_rng": progress.epoch_start_rng,
         "callbacks": to_cpu(cb_params.list_callback.state_dicts()),
+        "skipped_steps": int(progress.skipped_steps),
+        "lr_scheduler": _state_of(getattr(cb_params, "lr_scheduler", None)),
+        "loss_scaler": _state_of(getattr(cb_params, "loss_scaler", None)),
         "append_info": dict(append_info or {}),
         "saved_at": time.time(),
     }

@@ -165,6 +165,11 @@ def restore(state: dict[str, Any], model: Any, path: Any, strict: bool = True) -
     network.load_state_dict(state["network"], strict=strict)
     if optimizer is not None and saved_optimizer is not None:
         optimizer.load_state_dict(saved_optimizer)
+    # A Model's LR schedule and loss scale continue where they were.
+    for name in ("lr_scheduler", "loss_scaler"):
+        target = getattr(model, name, None)
+        if target is not None and state.get(name) is not None:
+            target.load_state_dict(state[name])
 
 
 def check_optimizer_matches(path: Any, saved: dict[str, Any], optimizer: Any) -> None:

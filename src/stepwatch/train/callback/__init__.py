@@ -19,6 +19,7 @@ from .early_stopping import EarlyStopping
 from .history import History
 from .lambda_callback import LambdaCallback
 from .loss_monitor import LossMonitor
+from .lr_scheduler import LearningRateScheduler
 from .on_request_exit import OnRequestExit
 from .reduce_lr_on_plateau import ReduceLROnPlateau
 from .time_monitor import TimeMonitor
@@ -36,6 +37,7 @@ __all__ = [
     "EarlyStopping",
     "History",
     "LambdaCallback",
+    "LearningRateScheduler",
     "LossMonitor",
     "ModelCheckpoint",
     "MonitorCallback",

@@ -21,10 +21,14 @@ class Progress:
             half-way is not counted, so a checkpoint written after a failure resumes at it.
         epoch_start_rng: every random generator's state at the start of the current epoch
             (a mid-epoch resume replays the epoch's shuffle from it); None before training.
+        skipped_steps: optimizer steps skipped on a gradient overflow under loss scaling.
     """
 
     trained_step: int = 0
     epoch_start_rng: dict[str, Any] | None = None
+    # Optimizer steps skipped because a gradient overflowed (loss scaling); an int, or a device
+    # tensor while training (read it through cb_params.skipped_steps).
+    skipped_steps: Any = 0
 
 
 class CallbackParams:
@@ -42,7 +46,9 @@ class CallbackParams:
     * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
       at ``on_train_epoch_end`` the epoch's mean training loss, and at the end of an
       evaluation pass that pass's mean loss;
-    * ``lr`` - the first parameter group's learning rate;
+    * ``lr`` - the first parameter group's learning rate; ``lrs`` - every group's;
+    * ``loss_scale`` - the current loss scale (1.0 without loss scaling) and
+      ``skipped_steps`` - optimizer steps skipped on a gradient overflow (both read the device);
     * ``step_in_epoch`` - the step's number within its epoch (1-based; 0 before the first);
     * ``last_step_of_epoch`` - True at the epoch's last step.
 
@@ -50,6 +56,11 @@ class CallbackParams:
     step). For callbacks that must stay cheap on every step, ``loss_tensor`` is the step's loss as
     the loop holds it: a detached ``torch.Tensor`` on the training device, no wrapping, no
     copy, no sync (None before the first step, and in an evaluation without a loss).
+
+    ``optimizer_stepped`` is True when the step ended with an optimizer update (False on the
+    other batches of a gradient-accumulation window); ``grad_norm`` is the global gradient
+    norm before clipping, a device tensor, on the steps where it is computed (with
+    ``clip_grad_norm``), else None.
 
     ``step_time`` is the wall time in seconds from the end of the previous step (or the start of
     the epoch) to the end of this one's optimizer step: loading the batch, the step-begin hooks
@@ -88,6 +99,11 @@ class CallbackParams:
     loss_tensor: Any
     outputs: Any
     progress: Progress
+    optimizer_stepped: bool
+    grad_norm: Any
+    compile_seconds: float
+    lr_scheduler: Any
+    loss_scaler: Any
 
     def __init__(self, **fields: Any) -> None:
         self.loss_tensor = None
@@ -142,6 +158,26 @@ class CallbackParams:
         if optimizer is None:
             raise AttributeError("'lr' needs an optimizer; this run has none")
         return float(optimizer.param_groups[0]["lr"])
+
+    @property
+    def lrs(self) -> list[float]:
+        """The learning rate of every parameter group, read from the optimizer."""
+        optimizer = self.__dict__.get("optimizer")
+        if optimizer is None:
+            raise AttributeError("'lrs' needs an optimizer; this run has none")
+        return [float(group["lr"]) for group in optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling); reading it waits for the device."""
+        scaler = self.__dict__.get("loss_scaler")
+        return float(scaler.get_scale()) if scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far because a gradient overflowed (loss scaling);
+        reading it waits for the device."""
+        return int(self.progress.skipped_steps)
 
     @property
     def step_in_epoch(self) -> int:

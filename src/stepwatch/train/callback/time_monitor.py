@@ -45,6 +45,10 @@ class TimeMonitor(Callback):
             self.on_eval_step_end = self._data_step_end  # type: ignore[method-assign]
         # Per mode ("train" / "eval"): seconds waiting for data, steps, end of the last step.
         self._data: dict[str, list[float]] = {"train": [0.0, 0, 0.0], "eval": [0.0, 0, 0.0]}
+        self._compile_shown = False
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self._compile_shown = False
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         self._eval_seconds = 0.0
@@ -62,7 +66,17 @@ class TimeMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         seconds = time.perf_counter() - self._train_start - self._eval_seconds
-        self._print("Train", seconds, self.data_size or cb_params.batch_num, "train")
+        steps = self.data_size or cb_params.batch_num
+        compile_seconds = cb_params.get("compile_seconds")
+        suffix = ""
+        if compile_seconds is not None and not self._compile_shown:
+            # A compiled network's first step compiles it: shown apart, so the step time is
+            # the steady state's.
+            self._compile_shown = True
+            seconds -= compile_seconds
+            steps = max(steps - 1, 1)
+            suffix = f" (first step, with compile: {compile_seconds * 1000:5.3f} ms)"
+        self._print("Train", seconds, steps, "train", suffix)
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         self._eval_outer_start = time.perf_counter()
@@ -80,7 +94,7 @@ class TimeMonitor(Callback):
         # Everything between the validation's begin and end is left out of the training time.
         self._eval_seconds += time.perf_counter() - self._eval_outer_start
 
-    def _print(self, kind: str, seconds: float, steps: int, mode: str) -> None:
+    def _print(self, kind: str, seconds: float, steps: int, mode: str, suffix: str = "") -> None:
         epoch_ms = seconds * 1000
         line = f"{kind} epoch time: {epoch_ms:5.3f} ms"
         if steps:
@@ -88,4 +102,4 @@ class TimeMonitor(Callback):
         waited, counted, _ = self._data[mode]
         if self.data_time and counted:
             line += f" (data time: {waited * 1000 / counted:5.3f} ms)"
-        print(line, flush=True)
+        print(line + suffix, flush=True)

@@ -1,0 +1,64 @@
+"""``LearningRateScheduler``: change the learning rate from a function of the step, as
+MindSpore's callback does."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+from ..._validation import check_callable
+from ._callback import ORDER_STEER, Callback, RunContext
+
+__all__ = ["LearningRateScheduler"]
+
+logger = logging.getLogger("stepwatch")
+
+
+class LearningRateScheduler(Callback):
+    """After every training step, set the learning rate to
+    ``learning_rate_function(lr, cur_step_num)``.
+
+    ``lr`` is the first parameter group's current learning rate and ``cur_step_num`` the global
+    step (batches, as MindSpore counts them, also under gradient accumulation). When the new
+    value differs, every parameter group's rate is scaled by ``new / lr`` (with one group, as
+    in MindSpore, it is simply set), and the change is logged.
+
+    For PyTorch's schedulers (``StepLR``, ``OneCycleLR``, ...), pass the scheduler to
+    ``Model(lr_scheduler=...)`` instead: it is stepped after the optimizer and saved in
+    checkpoints.
+
+    Args:
+        learning_rate_function: ``fn(lr: float, cur_step_num: int) -> float``.
+
+    Raises:
+        TypeError: ``learning_rate_function`` is not callable.
+
+    Example:
+        >>> def halve_every_100(lr, step):
+        ...     return lr * 0.5 if step % 100 == 0 else lr
+        >>> model.train(10, ds, callbacks=[LearningRateScheduler(halve_every_100)])
+    """
+
+    order = ORDER_STEER
+
+    def __init__(self, learning_rate_function: Callable[[float, int], float]) -> None:
+        self.learning_rate_function = check_callable(
+            "learning_rate_function", learning_rate_function, allow_none=False
+        )
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        cb_params = run_context.cb_params
+        groups = cb_params.optimizer.param_groups
+        lr = float(groups[0]["lr"])
+        new_lr = float(self.learning_rate_function(lr, cb_params.cur_step_num))
+        if math.isclose(lr, new_lr, rel_tol=1e-10):
+            return
+        if len(groups) == 1 or lr == 0:
+            for group in groups:
+                group["lr"] = new_lr
+        else:
+            ratio = new_lr / lr
+            for group in groups:
+                group["lr"] = float(group["lr"]) * ratio
+        logger.info("At step %d, learning_rate change to %g", cb_params.cur_step_num, new_lr)

@@ -1,0 +1,114 @@
+"""The evaluation pass: ``Model.eval`` and the validation inside ``fit``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..dataset import check_batch, dataset_size, feed, move
+from .callback._callback import CallbackList, CallbackParams, RunContext
+from .parts import _LOSS_CHUNK, Parts, _evaluate, _fold
+from .step import cast_floats
+
+__all__ = ["eval_in_fit", "eval_pass"]
+
+
+def eval_in_fit(
+    parts: Parts,
+    valid_dataset: Iterable[Any],
+    cb_list: CallbackList,
+    cb_params: CallbackParams,
+    run_context: RunContext,
+    metric_names: list[str],
+) -> None:
+    """Validate inside ``fit``: the same cb_params, switched to the evaluation and back."""
+    batch_num = dataset_size(valid_dataset, "valid_dataset")
+    with cb_params.evaluating(batch_num, hide=metric_names):
+        eval_pass(parts, valid_dataset, batch_num, cb_list, cb_params, run_context)
+
+
+def eval_pass(
+    parts: Parts,
+    dataset: Iterable[Any],
+    batch_num: int,
+    cb_list: CallbackList,
+    cb_params: CallbackParams,
+    run_context: RunContext,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Evaluate the metrics on ``dataset``; return ``(metrics, eval_results)``.
+
+    From ``on_eval_epoch_end`` on, cb_params shows this pass's own values: each metric as an
+    attribute and ``loss`` as the pass's mean loss; ``eval_results`` (the metrics plus
+    ``eval_loss``) is set before ``on_eval_end``.
+    """
+    network = parts.eval_network
+    loss_fn, device = parts.loss_fn, parts.device
+    amp = parts.step.autocast(device)
+    cast = parts.step.precision.dtype if parts.step.precision.cast_network else None
+    cb_params.mode = "eval"
+    cb_params.valid_dataset = dataset
+    cb_params.batch_num = batch_num
+    step_begin = cb_list.table["on_eval_step_begin"]
+    step_end = cb_list.table["on_eval_step_end"]
+    call = cb_list.call
+    metric_items = list(parts.metrics.values())
+    for metric in metric_items:
+        metric.clear()
+    pending: list[torch.Tensor] = []
+    total: torch.Tensor | None = None
+    steps = 0
+    was_training = network.training
+    network.eval()
+    try:
+        call("on_eval_begin", run_context)
+        call("on_eval_epoch_begin", run_context)
+        with torch.no_grad():
+            for batch in dataset:
+                steps += 1
+                cb_params.cur_step_num = steps
+                cb_params.eval_dataset_element = batch
+                if step_begin:
+                    call("on_eval_step_begin", run_context)
+                try:
+                    data, label = batch
+                except (TypeError, ValueError):
+                    check_batch(batch, "valid_dataset", loss_fn is not None)
+                    raise
+                data, label = move(data, device), move(label, device)
+                if cast is not None:
+                    data = cast_floats(data, cast)
+                with amp:
+                    outputs = feed(network, data)
+                    loss = loss_fn(outputs, label) if loss_fn is not None else None
+                for metric in metric_items:
+                    if getattr(metric, "uses_loss", False):
+                        if loss is not None:
+                            metric.update(loss)
+                    else:
+                        metric.update(outputs, label)
+                if loss is not None:
+                    pending.append(loss)
+                    if len(pending) == _LOSS_CHUNK:
+                        total = _fold(total, pending)
+                cb_params.loss_tensor = loss
+                cb_params.outputs = outputs  # computed under no_grad: no graph
+                if step_end:
+                    call("on_eval_step_end", run_context)
+        metrics = {name: _evaluate(name, m) for name, m in parts.metrics.items()}
+        results = dict(metrics)
+        cb_params.metrics = metrics  # from here on the values, as MindSpore has them
+        total = _fold(total, pending)
+        if total is not None and steps:
+            results["eval_loss"] = float(total) / steps
+        for name, value in metrics.items():
+            if name != "loss":
+                setattr(cb_params, name, value)
+        cb_params.loss = results.get("eval_loss")
+        call("on_eval_epoch_end", run_context)
+        cb_params.eval_results = results
+        call("on_eval_end", run_context)
+    finally:
+        network.train(was_training)
+    return metrics, results
