@@ -407,9 +407,9 @@ class RunWriter:
 
     def _insert_points(self, run: int, parts: list[Iterable[tuple[Any, ...]]]) -> None:
         """Insert the rows, up to 256 per statement: the interpreter lock is taken once to
-        bind them and released while SQLite inserts them all (``executemany`` takes and
-        releases it once per row; with 10 points a step that cost the training thread about
-        twice the CPU time, bench/RESULTS.md)."""
+        bind them and released while SQLite inserts them all. ``executemany`` releases and
+        retakes it around every row; written during training, that cost the training thread
+        about 4x the CPU time per point (bench/logging_throughput.py)."""
         flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
         execute, at, end = self._conn.execute, 0, len(flat)
         while at < end:
