@@ -26,7 +26,11 @@ Configurations:
 * ``c stepwatch+cb`` - the same with ``[LossMonitor(100), TimeMonitor(), History()]``, the
   epoch timed by one more callback that only implements the epoch hooks.
 * ``d stepwatch+rec`` - ``c`` plus ``RunRecorder(every_n_steps=1)`` recording every step's
-  loss into a temporary SQLite run store (the database write happens on its own thread).
+  loss into a temporary SQLite run store (the database write happens on its own thread). With
+  the default 1 s flush period and an epoch shorter than that, the writer thread writes mostly
+  after the timed epoch.
+* ``d2 rec,flush0.1`` - ``d`` with ``flush_seconds=0.1``: the writer thread commits about ten
+  times a second, during the timed epoch, as it does in a long run; its cost shows here.
 * ``e lightning`` - a ``lightning.pytorch.Trainer`` fitting one epoch of a LightningModule
   whose ``training_step`` calls ``self.log('loss', loss)``; timed from a Lightning callback
   (``on_train_epoch_start`` / ``on_train_epoch_end``), so ``fit`` setup is left out.
@@ -181,7 +185,7 @@ def stepwatch_callbacks_runner(work: Workload) -> EpochRunner:
     return run
 
 
-def stepwatch_recorder_runner(work: Workload) -> EpochRunner:
+def stepwatch_recorder_runner(work: Workload, flush_seconds: float = 1.0) -> EpochRunner:
     model = stepwatch_model(work)
     # Removed when the runner is dropped.
     folder = tempfile.TemporaryDirectory(prefix="stepwatch-bench-")
@@ -193,13 +197,17 @@ def stepwatch_recorder_runner(work: Workload) -> EpochRunner:
             stepwatch.LossMonitor(100),
             stepwatch.TimeMonitor(),
             stepwatch.History(),
-            stepwatch.RunRecorder(db=db, every_n_steps=1),
+            stepwatch.RunRecorder(db=db, every_n_steps=1, flush_seconds=flush_seconds),
         ]
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
     run.raw = paired_raw(model, work)  # type: ignore[attr-defined]
     return run
+
+
+def stepwatch_recorder_flushing_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, flush_seconds=0.1)
 
 
 class _Batches:
@@ -332,6 +340,7 @@ CONFIGS = [
     Config("b stepwatch", "whole train() call", stepwatch_runner),
     Config("c stepwatch+cb", "epoch hooks (callback)", stepwatch_callbacks_runner),
     Config("d stepwatch+rec", "epoch hooks (callback)", stepwatch_recorder_runner),
+    Config("d2 rec,flush0.1", "epoch hooks (callback)", stepwatch_recorder_flushing_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),
 ]

@@ -241,3 +241,27 @@ def test_losses_that_are_not_one_tensor_are_stacked_anyway() -> None:
     assert stacked[3:].isnan().all()
     grad = torch.tensor(2.0, requires_grad=True) * 1.5
     assert not _stack([grad, grad]).requires_grad
+
+
+@pytest.mark.parametrize(("limit", "rows"), [(250_000, 256), (32_766, 256), (999, 128), (7, 1)])
+def test_inserts_stay_within_sqlites_parameter_limit(tmp_path: Path, limit: int, rows: int) -> None:
+    import sqlite3
+
+    from stepwatch import RunWriter
+    from stepwatch.store.writer import _rows_per_insert
+
+    writer = RunWriter(tmp_path / "s.db", flush_seconds=30)
+    writer._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
+    writer._rows_per_insert = _rows_per_insert(writer._conn)
+    assert writer._rows_per_insert == rows
+    for step in range(301):  # 301 = 256 + 32 + 8 + 4 + 1 rows: statements of each size
+        writer.log("x", step * 0.5, step)
+    writer.log_batch("y", range(1000), np.arange(1000.0))
+    writer.close()
+    assert writer.written == 1301 and writer.dropped == 0
+    with Store(tmp_path / "s.db") as store:
+        steps, stored = store.metrics(writer.run_id, "x")
+        assert steps.tolist() == list(range(301)) and stored.tolist() == [
+            s * 0.5 for s in range(301)
+        ]
+        assert store.metrics(writer.run_id, "y")[1].tolist() == list(np.arange(1000.0))
