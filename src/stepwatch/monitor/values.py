@@ -103,6 +103,7 @@ def direction(name: str, declared: Mapping[str, Any] | None = None) -> Direction
         declared: metric name → direction as the metrics declare it (see
             :func:`metric_directions`); it wins over the name rule.
     """
+    name = name.split("/", 1)[0]  # a per-class key (eval_precision/3) has its metric's
     base = _base(name)
     if declared:
         for key in (name, base):
