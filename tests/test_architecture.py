@@ -145,10 +145,3 @@ def test_no_module_is_over_about_500_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
-
-
-def test_value_names_direction_of_per_class_keys() -> None:
-    from stepwatch.monitor.values import direction
-
-    assert direction("eval_precision/3", {"precision": "max"}) == "max"
-    assert direction("train_mse/0") == "min" and direction("lr") is None

@@ -1,0 +1,43 @@
+"""The value-name module: one name, one meaning, one store key, one direction."""
+
+from __future__ import annotations
+
+import math
+
+from stepwatch.monitor.values import direction, epoch_values, metric_directions
+
+
+def test_direction_from_the_metric_then_the_name() -> None:
+    assert direction("eval_accuracy") == "max" and direction("loss") == "min"
+    assert direction("perplexity") == "min" and direction("step_time") == "min"
+    assert direction("lr") is None and direction("loss_scale") is None
+    assert direction("eval_f1", {"f1": "min"}) == "min"  # a declared direction wins
+    assert direction("eval_precision/3", {"precision": "max"}) == "max"  # per-class keys
+    assert direction("train_mse/0") == "min"
+
+
+def test_metric_directions_read_what_metrics_declare() -> None:
+    from stepwatch.train import metrics
+
+    declared = metric_directions({"accuracy": metrics.Accuracy(), "mae": metrics.MAE(), "x": 1})
+    assert declared == {"accuracy": "max", "mae": "min"}
+
+
+def test_bare_names_mean_one_thing_for_the_whole_run() -> None:
+    train = {"loss": 0.5, "accuracy": 0.8}
+    validated = epoch_values(train, {"accuracy": 0.7, "eval_loss": 0.6}, validates=True)
+    assert validated == {
+        "loss": 0.5,
+        "train_accuracy": 0.8,
+        "eval_accuracy": 0.7,
+        "eval_loss": 0.6,
+        "accuracy": 0.7,
+    }
+    # An epoch without validation in a run that validates: the bare name is absent, never the
+    # training value.
+    skipped = epoch_values(train, None, validates=True)
+    assert "accuracy" not in skipped and skipped["train_accuracy"] == 0.8
+    assert epoch_values(train, None, validates=False)["accuracy"] == 0.8
+    stored = epoch_values(train, {"loss": 0.6, "eval_loss": 0.6}, validates=True, aliases=False)
+    assert stored == {"loss": 0.5, "train_accuracy": 0.8, "eval_loss": 0.6}
+    assert not math.isnan(stored["eval_loss"])
