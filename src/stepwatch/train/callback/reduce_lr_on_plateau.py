@@ -114,7 +114,7 @@ class ReduceLROnPlateau(MonitorCallback):
             )
             if self.verbose:
                 print(
-                    f"Epoch {epoch:05d}: ReduceLROnPlateau reducing learning rate to {new_lr}.",
+                    f"Epoch {epoch:05d}: ReduceLROnPlateau reducing learning rate to {new_lr:g}.",
                     flush=True,
                 )
 
