@@ -203,10 +203,10 @@ def test_reduce_lr_after_patience_with_cooldown_and_floor(
     assert capsys.readouterr().out.strip() == (
         "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.3."
     )
-    # A rate that is not a round float prints as %g does, not 5.000000000000002e-06.
-    _lrs([1.0, 1.0], ReduceLROnPlateau("loss", factor=0.1, patience=1, verbose=True), lr=5e-5)
+    # A rate that is not a round float prints as %g does, not 0.030000000000000002.
+    _lrs([1.0, 1.0], ReduceLROnPlateau("loss", factor=0.3, patience=1, verbose=True), lr=0.1)
     assert capsys.readouterr().out.strip() == (
-        "Epoch 00002: ReduceLROnPlateau reducing learning rate to 5e-06."
+        "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.03."
     )
 
 
