@@ -203,10 +203,10 @@ def test_reduce_lr_after_patience_with_cooldown_and_floor(
     assert capsys.readouterr().out.strip() == (
         "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.3."
     )
-    # A rate that is not a round float prints as %g does, not 0.030000000000000002.
-    _lrs([1.0, 1.0], ReduceLROnPlateau("loss", factor=0.3, patience=1, verbose=True), lr=0.1)
+    # A rate that is not a round float prints as %g does, not 0.30000000000000004.
+    _lrs([1.0, 1.0], ReduceLROnPlateau("loss", factor=0.1, patience=1, verbose=True), lr=3.0)
     assert capsys.readouterr().out.strip() == (
-        "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.03."
+        "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.3."
     )
 
 
