@@ -27,20 +27,12 @@ import sys
 import time
 
 import torch
+
+# The same GPU-bound MLP as bench/gpu_sync.py (this folder is on sys.path when run as a script).
+from gpu_sync import BATCH, CLASSES, WIDTH, make_net
 from torch import nn
 
 import stepwatch
-
-WIDTH, DEPTH, BATCH, CLASSES = 4096, 4, 1024, 10
-
-
-def make_net(device: torch.device) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(DEPTH):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    layers.append(nn.Linear(WIDTH, CLASSES))
-    return nn.Sequential(*layers).to(device)
 
 
 class Checks(stepwatch.Callback):
