@@ -220,13 +220,13 @@ def test_shape_check_covers_dataloaders_and_leaves_the_rng_alone() -> None:
     )
     with pytest.raises(ValueError, match=r"labels \(8,\) vs outputs \(8, 1\)"):
         _regression_model().train(1, loader)
-    from stepwatch.train.checks import check_first_batch
+    from stepwatch.train.checks import check_first_forward
 
     network = make_model().train_network
     torch.manual_seed(3)
     before = torch.rand(1)
     torch.manual_seed(3)
-    check_first_batch(network, nn.CrossEntropyLoss(), {}, _loader_of(make_batches(2)), "cpu")
+    check_first_forward(network, nn.CrossEntropyLoss(), {}, _loader_of(make_batches(2)), "cpu")
     # The check drew nothing from the generators (the loader would have, had it iterated).
     assert torch.equal(torch.rand(1), before)
 

@@ -6,6 +6,7 @@ names the argument, what it got and what to pass instead.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, overload
 
 __all__: list[str] = []
@@ -94,3 +95,12 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"'{name}' must be one of {choices}, but got {value!r}.")
     return value
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists: where a file or folder at ``path`` would
+    be created (checked before training, so a bad path fails at the door)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

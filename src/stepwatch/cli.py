@@ -322,18 +322,13 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 # -- the demo --------------------------------------------------------------------------------
-def _nearest_existing(path: Path) -> Path:
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def _check_can_create_in(folder: Path, what: str) -> None:
     """The nearest existing folder at or above ``folder`` is one we can create files in."""
     import tempfile
 
-    base = _nearest_existing(folder)
+    from ._validation import nearest_existing
+
+    base = nearest_existing(folder)
     if not base.is_dir():
         raise _UsageError(f"{what}: {base} is not a folder")
     try:

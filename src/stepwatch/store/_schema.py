@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .._validation import nearest_existing
+
 __all__: list[str] = []
 
 SCHEMA_VERSION = 1
@@ -103,9 +105,7 @@ def check_writable_db(path: Path, argname: str = "db") -> None:
                     f"{sorted(tables)[:5]}); pass a file of its own for the run store."
                 )
         return
-    probe = path.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(path.parent)
     if not probe.is_dir():
         raise ValueError(f"'{argname}' {str(path)!r} cannot be created: {str(probe)!r} is a file.")
     if not os.access(probe, os.W_OK | os.X_OK):

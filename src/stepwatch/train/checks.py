@@ -2,7 +2,7 @@
 raw torch error at step 1 (or, worse, silent garbage).
 
 * :func:`check_optimizer`: the optimizer must update the network's own parameters.
-* :func:`check_first_batch`: one forward pass on the first batch (no gradients, the random
+* :func:`check_first_forward`: one forward pass on the first batch (no gradients, the random
   generators untouched; torch's own loss modules are called once, a loss function of the
   user's is not) checks the labels against the outputs for the loss and the metrics:
   a regression label ``(N,)`` against an output ``(N, 1)`` broadcasts to an ``(N, N)`` loss
@@ -25,7 +25,7 @@ from .step import StepOptions, cast_floats
 
 __all__ = [
     "RESERVED",
-    "check_first_batch",
+    "check_first_forward",
     "check_optimizer",
     "class_hint",
     "resolve_device",
@@ -156,7 +156,7 @@ def _check_metrics(outputs: Any, label: Any, loss: Any, metrics: dict[str, Any])
             ) from exc
 
 
-def check_first_batch(
+def check_first_forward(
     network: nn.Module,
     loss_fn: Any,
     metrics: dict[str, Any],

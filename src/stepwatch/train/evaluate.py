@@ -9,7 +9,7 @@ import torch
 
 from ..dataset import check_batch, dataset_size, feed, move
 from .callback._callback import CallbackList, CallbackParams, RunContext
-from .parts import _LOSS_CHUNK, Parts, _evaluate, _fold
+from .parts import LOSS_CHUNK, Parts, evaluate_metric, fold_losses
 from .step import cast_floats
 
 __all__ = ["eval_in_fit", "eval_pass"]
@@ -90,16 +90,16 @@ def eval_pass(
                         metric.update(outputs, label)
                 if loss is not None:
                     pending.append(loss)
-                    if len(pending) == _LOSS_CHUNK:
-                        total = _fold(total, pending)
+                    if len(pending) == LOSS_CHUNK:
+                        total = fold_losses(total, pending)
                 cb_params.loss_tensor = loss
                 cb_params.outputs = outputs  # computed under no_grad: no graph
                 if step_end:
                     call("on_eval_step_end", run_context)
-        metrics = {name: _evaluate(name, m) for name, m in parts.metrics.items()}
+        metrics = {name: evaluate_metric(name, m) for name, m in parts.metrics.items()}
         results = dict(metrics)
         cb_params.metrics = metrics  # from here on the values, as MindSpore has them
-        total = _fold(total, pending)
+        total = fold_losses(total, pending)
         if total is not None and steps:
             results["eval_loss"] = float(total) / steps
         for name, value in metrics.items():

@@ -28,7 +28,7 @@ from ..dataset import (
 from ..distributed import rank_and_world
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .evaluate import eval_in_fit
-from .parts import _LOSS_CHUNK, Parts, RunPlan, _evaluate, _fold, new_cb_params
+from .parts import LOSS_CHUNK, Parts, RunPlan, evaluate_metric, fold_losses, new_cb_params
 from .resume import find_resume_point, rng_state, set_rng_state, skip_then_restore
 from .step import cast_floats, found_inf
 
@@ -267,13 +267,11 @@ def train_epoch(
                 else:
                     outputs = forward(data) if type(data) is tensor else feed(forward, data)
                     loss = loss_fn(outputs, label)
-            elif plain:
-                loss, outputs = split_loss(feed(forward, move(batch, device)))
             else:
                 inputs = move(batch, device)
                 if cast is not None:
                     inputs = cast_floats(inputs, cast)
-                with amp:
+                with amp:  # a no-op context without mixed precision
                     loss, outputs = split_loss(feed(forward, inputs))
             if plain:
                 loss.backward()
@@ -302,8 +300,8 @@ def train_epoch(
                     )
             detached = loss.detach()
             pending.append(detached)
-            if len(pending) == _LOSS_CHUNK:
-                total = _fold(total, pending)
+            if len(pending) == LOSS_CHUNK:
+                total = fold_losses(total, pending)
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)
@@ -336,13 +334,13 @@ def train_epoch(
         if not plain:
             cb_params.optimizer_stepped = stepping
             cb_params.grad_norm = grad_norm if stepping else None
-    total = _fold(total, pending)
+    total = fold_losses(total, pending)
     results: dict[str, Any] = {}
     if total is not None and steps:
         results["loss"] = float(total) / steps
     for name, metric in parts.train_metrics.items():
         if loss_fn is not None and steps:
-            results[name] = _evaluate(name, metric)
+            results[name] = evaluate_metric(name, metric)
     return results
 
 

@@ -18,13 +18,13 @@ from .callback._callback import CallbackList, RunContext, normalize_callbacks
 from .callback.history import History
 from .checks import (
     RESERVED,
+    check_first_forward,
     check_optimizer,
     class_hint,
     data_of,
     is_dataset,
     resolve_device,
 )
-from .checks import check_first_batch as check_first_forward
 from .evaluate import eval_pass
 from .loop import run
 from .metrics import build_metrics

@@ -14,11 +14,19 @@ from torch import nn
 from .callback._callback import CallbackList, CallbackParams
 from .step import StepOptions
 
-__all__ = ["Parts", "RunPlan", "new_cb_params"]
+__all__ = [
+    "LOSS_CHUNK",
+    "Parts",
+    "RunPlan",
+    "evaluate_metric",
+    "fold_losses",
+    "new_cb_params",
+    "to_python",
+]
 
 # Step losses are folded into the epoch sum in chunks: one stack+sum per chunk keeps the
 # per-step cost to a list append and never waits for the device.
-_LOSS_CHUNK = 256
+LOSS_CHUNK = 256
 
 
 @dataclass
@@ -64,7 +72,7 @@ class RunPlan:
     resume_from: Any = None
 
 
-def _fold(total: torch.Tensor | None, pending: list[torch.Tensor]) -> torch.Tensor | None:
+def fold_losses(total: torch.Tensor | None, pending: list[torch.Tensor]) -> torch.Tensor | None:
     if not pending:
         return total
     chunk = torch.stack(pending).float().sum()
@@ -72,7 +80,7 @@ def _fold(total: torch.Tensor | None, pending: list[torch.Tensor]) -> torch.Tens
     return chunk if total is None else total + chunk
 
 
-def _to_python(value: Any) -> Any:
+def to_python(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value)
     if hasattr(value, "item") and getattr(value, "shape", None) == ():
@@ -80,10 +88,10 @@ def _to_python(value: Any) -> Any:
     return value
 
 
-def _evaluate(name: str, metric: Any) -> Any:
+def evaluate_metric(name: str, metric: Any) -> Any:
     """``metric.eval()`` as a Python value; an error names the metric, as a callback's does."""
     try:
-        return _to_python(metric.eval())
+        return to_python(metric.eval())
     except BaseException as exc:
         exc.add_note(f"(raised in metric {name!r}, {type(metric).__name__}.eval)")
         raise

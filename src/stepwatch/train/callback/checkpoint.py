@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..._validation import check_bool, check_int, check_number
+from ..._validation import check_bool, check_int, check_number, nearest_existing
 from ...monitor.schedule import Every
 from ..resume import build_checkpoint
 from ..serialization import remove_stale_temporaries, weights_finite, write_atomic
@@ -466,9 +466,7 @@ class ModelCheckpoint(MonitorCallback):
 
 def _check_directory(argname: str, directory: Path) -> None:
     """A folder that exists or can be created: not a file, nor under one, and writable."""
-    probe = directory
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(directory)
     if not probe.is_dir():
         raise ValueError(
             f"'{argname}' must be a folder, but {str(probe)!r} is a file; pass a folder path."
