@@ -21,6 +21,8 @@ PACKAGE_ALL = [
     "MAE",
     "MSE",
     "Accuracy",
+    "Alert",
+    "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
     "CallbackParams",
@@ -48,6 +50,7 @@ PACKAGE_ALL = [
     "RunWriter",
     "Store",
     "Tensor",
+    "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
     "__version__",
@@ -96,7 +99,7 @@ def test_package_faces_keep_their_names() -> None:
         "Store",
         "default_path",
     ]
-    assert stepwatch.monitor.__all__ == ["Every", "RingBuffer"]
+    assert stepwatch.monitor.__all__ == ["Alert", "Every", "RingBuffer"]
     # dir() in a fresh interpreter (here, other tests may have loaded more submodules).
     listed = json.loads(
         _python(
@@ -106,7 +109,14 @@ def test_package_faces_keep_their_names() -> None:
     )
     assert _public(listed[0]) == _public(PACKAGE_ALL) | PACKAGE_SUBMODULES
     assert _public(listed[1]) == {*stepwatch.store.__all__, "reader", "recorder", "writer"}
-    assert _public(listed[2]) == {"Every", "RingBuffer", "ring", "schedule", "values"}
+    assert _public(listed[2]) == {
+        *stepwatch.monitor.__all__,
+        "detectors",
+        "layer_detectors",
+        "ring",
+        "schedule",
+        "values",
+    }
     for name in PACKAGE_ALL:
         assert getattr(stepwatch, name) is not None
     from stepwatch import Model

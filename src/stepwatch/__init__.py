@@ -18,12 +18,13 @@ from ._version import __version__
 if TYPE_CHECKING:
     from ._tensor import Tensor
     from .dataset import NumpySlicesDataset
-    from .monitor import Every, RingBuffer
+    from .monitor import Alert, Every, RingBuffer
     from .store import RunRecorder, RunWriter, Store
     from .train import (
         MAE,
         MSE,
         Accuracy,
+        AnomalyMonitor,
         BackupAndRestore,
         Callback,
         CheckpointConfig,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
         Recall,
         ReduceLROnPlateau,
         RunContext,
+        TerminateOnNaN,
         TimeMonitor,
         TopKCategoricalAccuracy,
         load_checkpoint,
@@ -54,6 +56,8 @@ __all__ = [
     "MAE",
     "MSE",
     "Accuracy",
+    "Alert",
+    "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
     "CallbackParams",
@@ -81,6 +85,7 @@ __all__ = [
     "RunWriter",
     "Store",
     "Tensor",
+    "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
     "__version__",
@@ -93,6 +98,8 @@ _TRAIN_NAMES = (
     "MAE",
     "MSE",
     "Accuracy",
+    "Alert",
+    "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
     "CheckpointConfig",
@@ -112,6 +119,7 @@ _TRAIN_NAMES = (
     "Recall",
     "ReduceLROnPlateau",
     "RunContext",
+    "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
     "load_checkpoint",
@@ -125,6 +133,7 @@ __getattr__, __dir__ = lazy_face(
         "CallbackParams": ".train.callback",
         "Tensor": "._tensor",
         "NumpySlicesDataset": ".dataset",
+        "Alert": ".monitor",
         "Every": ".monitor",
         "RingBuffer": ".monitor",
         "RunRecorder": ".store",

@@ -17,68 +17,18 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from .._validation import _got, check_int, check_number
+from ._detector import Alert, Detector, _check_fraction, _check_name
+from .layer_detectors import DyingReLU, GradVanishing
 
 __all__ = [
     "DETECTORS", "Alert", "Detector", "Divergence", "DyingReLU", "GradExplosion", "GradVanishing",
     "NonFinite", "Overfitting", "Plateau", "Spike", "Threshold", "make_detectors",
 ]  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class Alert:
-    """What a detector saw: the step (and epoch, when known), its kind, a message saying what
-    was seen and what to try, and the value that triggered it."""
-
-    step: int
-    epoch: int | None
-    kind: str
-    message: str
-    value: float
-
-
-class Detector:
-    """Base: holds the once-per-episode latch. Subclasses set ``kind`` and define ``update``."""
-
-    kind: ClassVar[str] = ""
-    _advice: ClassVar[str] = ""  # what to try, appended to each message
-
-    def __init__(self) -> None:
-        self._active = False
-
-    def reset(self) -> None:
-        """Forget everything seen so far, as if freshly built."""
-        self._active = False
-        self._streak = 0
-
-    def _edge(self, condition: bool) -> bool:
-        # True only when the condition starts; a False condition ends the episode.
-        fire = condition and not self._active
-        self._active = condition
-        return fire
-
-    def _alert(self, step: int, epoch: int | None, seen: str, value: float) -> Alert:
-        message = f"step {step}: {seen}" + (f": {self._advice}." if self._advice else ".")
-        return Alert(step, epoch, self.kind, message, float(value))
-
-
-def _check_fraction(name: str, value: Any, *, one: bool = False) -> float:
-    value = check_number(name, value)
-    if not (0.0 < value < 1.0 or (one and value == 1.0)):
-        bounds = "0 < x <= 1" if one else "0 < x < 1"
-        raise ValueError(f"'{name}' must be a number with {bounds}, but got {_got(value)}.")
-    return value
-
-
-def _check_name(value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"'name' must be a non-empty str such as 'loss', but got {_got(value)}.")
-    return value
 
 
 class NonFinite(Detector):
@@ -102,6 +52,13 @@ class NonFinite(Detector):
         if not self._edge(not math.isfinite(value)):
             return None
         return self._alert(step, epoch, f"{self.name} is {value}", value)
+
+    def update_many(
+        self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
+    ) -> list[Alert]:
+        if not self._active and math.isfinite(sum(values)):
+            return []  # the common case, in one pass
+        return super().update_many(steps, values, epoch)
 
 
 class Spike(Detector):
@@ -158,14 +115,32 @@ class Spike(Detector):
         self._since += 1
         # the median/MAD are refreshed every window/10 values: O(1) amortised per value
         if self._since >= self.window // 10 or len(self._level) <= self.warmup:
-            self._since = 0
-            arr = np.fromiter(self._level, dtype=np.float64, count=len(self._level))
-            self._median = float(np.median(arr))
-            self._mad = float(np.median(np.abs(arr - self._median)))
+            self._refresh()
         if not self._edge(value > limit):
             return None
         seen = f"{self.name} jumped to {value:.6g} (recent median {self._median:.6g})"
         return self._alert(step, epoch, seen, value)
+
+    def update_many(
+        self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
+    ) -> list[Alert]:
+        # The common case, a quiet batch: append it, and refresh the median/MAD once at its end.
+        if self._active or not values or len(self._level) < self.warmup:
+            return super().update_many(steps, values, epoch)
+        top = max(values)
+        if not (top <= self._limit() and math.isfinite(sum(values))):
+            return super().update_many(steps, values, epoch)
+        self._level.extend(values)
+        self._since += len(values)
+        if self._since >= self.window // 10:
+            self._refresh()
+        return []
+
+    def _refresh(self) -> None:
+        self._since = 0
+        arr = np.fromiter(self._level, dtype=np.float64, count=len(self._level))
+        self._median = float(np.median(arr))
+        self._mad = float(np.median(np.abs(arr - self._median)))
 
 
 class GradExplosion(Spike):
@@ -307,94 +282,6 @@ class Plateau(Detector):
         self._fired_at = smooth
         seen = f"loss plateaued: its moving average went from {old:.6g} to {smooth:.6g}"
         return self._alert(step, epoch, f"{seen} in {self.patience} steps", smooth)
-
-
-def _per_layer(name: str, values: Any) -> np.ndarray:
-    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
-        raise TypeError(f"'{name}' must be a sequence of floats, one per layer, got {_got(values)}")
-    return np.asarray(values, dtype=np.float64).ravel()
-
-
-class _PerLayer(Detector):
-    def __init__(self, patience: int) -> None:
-        super().__init__()
-        self.patience = check_int("patience", patience, minimum=1)
-        self._streak = 0
-
-    def _count(self, condition: bool) -> bool:  # the episode also needs `patience` in a row
-        self._streak = self._streak + 1 if condition else 0
-        return self._edge(self._streak >= self.patience)
-
-
-class GradVanishing(_PerLayer):
-    """Fires when a layer's gradient norm is under ``ratio`` x the largest layer's for
-    ``patience`` samples in a row; clears on a sample with none that small. Pass only
-    trainable layers: a frozen layer's zero norm would count as vanished.
-
-    Args:
-        ratio: smallest healthy norm relative to the largest (default 1e-6: healthy networks
-            spread 10-1000x; 12 sigmoid layers shrink by 0.25^11, about 2e-7).
-        patience: consecutive samples (default 5), so one odd batch does not fire.
-    """
-
-    kind = "grad_vanishing"
-    _advice = (
-        "try ReLU-family activations, normalisation layers, residual connections "
-        "or He/Xavier initialisation"
-    )
-
-    def __init__(self, ratio: float = 1e-6, patience: int = 5) -> None:
-        super().__init__(patience)
-        self.ratio = _check_fraction("ratio", ratio)
-
-    def update(self, step: int, norms: Sequence[float], epoch: int | None = None) -> Alert | None:
-        arr = _per_layer("norms", norms)
-        top = float(arr.max()) if arr.size else 0.0
-        if not (math.isfinite(top) and top > 0.0):
-            return None  # nothing to compare against; NonFinite covers NaN/Inf
-        small = np.flatnonzero(arr < self.ratio * top)
-        if not self._count(small.size > 0):
-            return None
-        first = int(small[0])
-        seen = (
-            f"gradients vanish: {small.size} layer(s) from layer {first} have norms under "
-            f"{self.ratio:g}x the largest ({arr[first]:.3g} vs {top:.3g})"
-        )
-        return self._alert(step, epoch, seen, float(arr[first] / top))
-
-
-class DyingReLU(_PerLayer):
-    """Fires when some layer has (nearly) all of its units dead, i.e. their gradient is exactly
-    zero, for ``patience`` consecutive samples. Clears on a sample where no layer is that dead.
-
-    Args:
-        threshold: dead fraction of a dead layer (default 0.99; healthy ReLU: 30-60% zeros).
-        patience: consecutive samples (default 5).
-    """
-
-    kind = "dying_relu"
-    _advice = "lower the learning rate, use LeakyReLU/GELU, or check initialisation and input scale"
-
-    def __init__(self, threshold: float = 0.99, patience: int = 5) -> None:
-        super().__init__(patience)
-        self.threshold = _check_fraction("threshold", threshold, one=True)
-
-    def update(
-        self, step: int, dead: Sequence[float], total: Sequence[float] | None = None,
-        epoch: int | None = None,
-    ) -> Alert | None:  # fmt: skip
-        """``dead`` is a per-layer fraction in [0, 1], or a per-layer count with ``total``."""
-        frac = _per_layer("dead", dead)
-        if total is not None:
-            frac = frac / np.maximum(_per_layer("total", total), 1.0)
-        if frac.size and not (frac.min() >= 0.0 and frac.max() <= 1.0):
-            raise ValueError(f"dead fractions must be within [0, 1], but got {frac.tolist()}.")
-        layers = np.flatnonzero(frac >= self.threshold)
-        if not self._count(layers.size > 0):
-            return None
-        first = int(layers[0])
-        seen = f"dying ReLU: {layers.size} layer(s) from layer {first} have {frac[first]:.1%} dead"
-        return self._alert(step, epoch, seen, float(frac[first]))
 
 
 class Overfitting(Detector):

@@ -2,6 +2,7 @@
 
 from . import metrics
 from .callback import (
+    AnomalyMonitor,
     BackupAndRestore,
     Callback,
     CheckpointConfig,
@@ -14,6 +15,7 @@ from .callback import (
     OnRequestExit,
     ReduceLROnPlateau,
     RunContext,
+    TerminateOnNaN,
     TimeMonitor,
 )
 from .metrics import (
@@ -36,6 +38,7 @@ __all__ = [
     "MAE",
     "MSE",
     "Accuracy",
+    "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
     "CheckpointConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "Recall",
     "ReduceLROnPlateau",
     "RunContext",
+    "TerminateOnNaN",
     "TimeMonitor",
     "Top1CategoricalAccuracy",
     "Top5CategoricalAccuracy",

@@ -13,6 +13,7 @@ from ._callback import (
     StopKind,
 )
 from ._monitor import MonitorCallback
+from .anomaly import AnomalyMonitor, TerminateOnNaN
 from .backup_and_restore import BackupAndRestore
 from .checkpoint import CheckpointConfig, ModelCheckpoint
 from .early_stopping import EarlyStopping
@@ -29,6 +30,7 @@ __all__ = [
     "ORDER_RECORD",
     "ORDER_SAVE",
     "ORDER_STEER",
+    "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
     "CallbackList",
@@ -46,5 +48,6 @@ __all__ = [
     "ReduceLROnPlateau",
     "RunContext",
     "StopKind",
+    "TerminateOnNaN",
     "TimeMonitor",
 ]

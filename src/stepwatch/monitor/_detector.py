@@ -1,0 +1,71 @@
+"""The base of the anomaly detectors: :class:`Alert` and :class:`Detector` (the
+once-per-episode latch), and the checks their options share. No PyTorch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .._validation import _got, check_number
+
+__all__ = ["Alert", "Detector"]
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """What a detector saw: the step (and epoch, when known), its kind, a message saying what
+    was seen and what to try, and the value that triggered it."""
+
+    step: int
+    epoch: int | None
+    kind: str
+    message: str
+    value: float
+
+
+class Detector:
+    """Base: holds the once-per-episode latch. Subclasses set ``kind`` and define ``update``."""
+
+    kind: ClassVar[str] = ""
+    _advice: ClassVar[str] = ""  # what to try, appended to each message
+
+    def __init__(self) -> None:
+        self._active = False
+
+    def reset(self) -> None:
+        """Forget everything seen so far, as if freshly built."""
+        self._active = False
+        self._streak = 0
+
+    def update_many(
+        self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
+    ) -> list[Alert]:
+        """Feed ``values`` (taken at ``steps``) in order; return the alerts they raise."""
+        update = self.update  # type: ignore[attr-defined]
+        found = (update(step, value, epoch=epoch) for step, value in zip(steps, values))
+        return [alert for alert in found if alert is not None]
+
+    def _edge(self, condition: bool) -> bool:
+        # True only when the condition starts; a False condition ends the episode.
+        fire = condition and not self._active
+        self._active = condition
+        return fire
+
+    def _alert(self, step: int, epoch: int | None, seen: str, value: float) -> Alert:
+        message = f"step {step}: {seen}" + (f": {self._advice}." if self._advice else ".")
+        return Alert(step, epoch, self.kind, message, float(value))
+
+
+def _check_fraction(name: str, value: Any, *, one: bool = False) -> float:
+    value = check_number(name, value)
+    if not (0.0 < value < 1.0 or (one and value == 1.0)):
+        bounds = "0 < x <= 1" if one else "0 < x < 1"
+        raise ValueError(f"'{name}' must be a number with {bounds}, but got {_got(value)}.")
+    return value
+
+
+def _check_name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"'name' must be a non-empty str such as 'loss', but got {_got(value)}.")
+    return value

@@ -1,0 +1,112 @@
+"""Detectors over per-layer gradient statistics, sampled every few steps: vanishing gradients
+and dying ReLUs. No PyTorch: they take a sequence of numbers, one per layer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._validation import _got, check_int
+from ._detector import Alert, Detector, _check_fraction
+
+__all__ = ["DyingReLU", "GradVanishing"]
+
+
+def _per_layer(name: str, values: Any) -> np.ndarray:
+    if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
+        raise TypeError(f"'{name}' must be a sequence of floats, one per layer, got {_got(values)}")
+    return np.asarray(values, dtype=np.float64).ravel()
+
+
+class _PerLayer(Detector):
+    def __init__(self, patience: int) -> None:
+        super().__init__()
+        self.patience = check_int("patience", patience, minimum=1)
+        self._streak = 0
+        self.names: Sequence[str] | None = None  # the layers' names, for messages
+
+    def _layer(self, index: int) -> str:
+        names = self.names
+        return (
+            f"layer {index} ({names[index]})" if names and index < len(names) else f"layer {index}"
+        )
+
+    def _count(self, condition: bool) -> bool:  # the episode also needs `patience` in a row
+        self._streak = self._streak + 1 if condition else 0
+        return self._edge(self._streak >= self.patience)
+
+
+class GradVanishing(_PerLayer):
+    """Fires when a layer's gradient norm is under ``ratio`` x the largest layer's for
+    ``patience`` samples in a row; clears on a sample with none that small. A norm of exactly
+    zero is left out: that is a dead layer (:class:`DyingReLU`) or one that took no part in
+    the step, not a vanishing gradient.
+
+    Args:
+        ratio: smallest healthy norm relative to the largest (default 1e-6: healthy networks
+            spread 10-1000x; 12 sigmoid layers shrink by 0.25^11, about 2e-7).
+        patience: consecutive samples (default 5), so one odd batch does not fire.
+    """
+
+    kind = "grad_vanishing"
+    _advice = (
+        "try ReLU-family activations, normalisation layers, residual connections "
+        "or He/Xavier initialisation"
+    )
+
+    def __init__(self, ratio: float = 1e-6, patience: int = 5) -> None:
+        super().__init__(patience)
+        self.ratio = _check_fraction("ratio", ratio)
+
+    def update(self, step: int, norms: Sequence[float], epoch: int | None = None) -> Alert | None:
+        arr = _per_layer("norms", norms)
+        top = float(arr.max()) if arr.size else 0.0
+        if not (math.isfinite(top) and top > 0.0):
+            return None  # nothing to compare against; NonFinite covers NaN/Inf
+        small = np.flatnonzero((arr < self.ratio * top) & (arr > 0.0))
+        if not self._count(small.size > 0):
+            return None
+        first = int(small[0])
+        seen = (
+            f"gradients vanish: {small.size} layer(s) from {self._layer(first)} have norms under "
+            f"{self.ratio:g}x the largest ({arr[first]:.3g} vs {top:.3g})"
+        )
+        return self._alert(step, epoch, seen, float(arr[first] / top))
+
+
+class DyingReLU(_PerLayer):
+    """Fires when some layer has (nearly) all of its units dead, i.e. their gradient is exactly
+    zero, for ``patience`` consecutive samples. Clears on a sample where no layer is that dead.
+
+    Args:
+        threshold: dead fraction of a dead layer (default 0.99; healthy ReLU: 30-60% zeros).
+        patience: consecutive samples (default 5).
+    """
+
+    kind = "dying_relu"
+    _advice = "lower the learning rate, use LeakyReLU/GELU, or check initialisation and input scale"
+
+    def __init__(self, threshold: float = 0.99, patience: int = 5) -> None:
+        super().__init__(patience)
+        self.threshold = _check_fraction("threshold", threshold, one=True)
+
+    def update(
+        self, step: int, dead: Sequence[float], total: Sequence[float] | None = None,
+        epoch: int | None = None,
+    ) -> Alert | None:  # fmt: skip
+        """``dead`` is a per-layer fraction in [0, 1], or a per-layer count with ``total``."""
+        frac = _per_layer("dead", dead)
+        if total is not None:
+            frac = frac / np.maximum(_per_layer("total", total), 1.0)
+        if frac.size and not (frac.min() >= 0.0 and frac.max() <= 1.0):
+            raise ValueError(f"dead fractions must be within [0, 1], but got {frac.tolist()}.")
+        layers = np.flatnonzero(frac >= self.threshold)
+        if not self._count(layers.size > 0):
+            return None
+        first = int(layers[0])
+        at = self._layer(first)
+        seen = f"dying ReLU: {layers.size} layer(s) from {at} have {frac[first]:.1%} dead"
+        return self._alert(step, epoch, seen, float(frac[first]))

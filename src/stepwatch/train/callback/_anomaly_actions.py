@@ -1,0 +1,198 @@
+"""What :class:`AnomalyMonitor` measures on the device and what its actions do: gradient
+statistics in one packed tensor, and the snapshot, reduce_lr and rollback actions."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..._validation import _got, nearest_existing
+from ...monitor.detectors import DETECTORS, Alert
+from ..resume import build_checkpoint
+from ..serialization import write_atomic
+
+__all__ = [
+    "ACTIONS", "GradStats", "StateKeeper", "check_actions", "check_snapshot_dir", "reduce_lr",
+    "write_snapshot",
+]  # fmt: skip
+
+ACTIONS = ("warn", "stop", "snapshot", "reduce_lr", "rollback")
+ActionSpec = str | Callable[[Alert, Any], Any]
+
+
+def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
+    if callable(value):
+        return (value,)
+    if isinstance(value, str):
+        if value not in ACTIONS:
+            raise ValueError(
+                f"'{name}' must be one of {', '.join(map(repr, ACTIONS))} or a callable "
+                f"fn(alert, run_context), but got {value!r}."
+            )
+        return (value,)
+    if isinstance(value, (list, tuple)) and value:
+        return tuple(a for item in value for a in _one_action(name, item))
+    raise TypeError(
+        f"'{name}' must be an action name ({', '.join(map(repr, ACTIONS))}), a callable "
+        f"fn(alert, run_context) or a list of them, but got {_got(value)}."
+    )
+
+
+def check_actions(action: Any) -> tuple[tuple[ActionSpec, ...], dict[str, tuple[ActionSpec, ...]]]:
+    """``(default actions, {kind: actions})`` from ``action``: one action, a list of them, or a
+    dict of detector kind -> action(s) (kinds not in it warn)."""
+    if isinstance(action, Mapping):
+        per_kind = {}
+        for kind, value in action.items():
+            if kind not in DETECTORS and kind not in ("straggler", "desync"):
+                known = ", ".join(map(repr, DETECTORS))
+                raise ValueError(
+                    f"'action' names an unknown detector kind {kind!r}; known: {known}."
+                )
+            per_kind[kind] = _one_action(f"action[{kind!r}]", value)
+        return ("warn",), per_kind
+    return _one_action("action", action), {}
+
+
+def check_snapshot_dir(snapshot_dir: Any) -> Path | None:
+    if snapshot_dir is None:
+        return None
+    if not isinstance(snapshot_dir, (str, Path)) or not str(snapshot_dir):
+        raise TypeError(
+            f"'snapshot_dir' must be a folder path (str or Path), got {_got(snapshot_dir)}."
+        )
+    path = Path(snapshot_dir)
+    existing = nearest_existing(path)
+    if not existing.is_dir():
+        raise ValueError(
+            f"'snapshot_dir' must be a folder, but {str(existing)!r} is a file; pass a folder "
+            "path (it is created when the first snapshot is written)."
+        )
+    return path
+
+
+class GradStats:
+    """Per-layer gradient statistics, measured on the device in a few fused ops and packed in
+    one tensor, so they reach the host in one transfer.
+
+    A *layer* is a trainable parameter with two or more dimensions (a weight matrix or a
+    convolution kernel); a network without any is measured parameter by parameter. For each:
+    its gradient norm, and the fraction of its output units (rows) whose gradient is exactly
+    zero, which is a dead ReLU unit's signature.
+    """
+
+    def __init__(self, network: torch.nn.Module) -> None:
+        named = [(n, p) for n, p in network.named_parameters() if p.requires_grad]
+        layers = [(n, p) for n, p in named if p.dim() >= 2] or named
+        self.names = [n for n, _ in layers]
+        self.params = [p for _, p in layers]
+
+    def measure(self) -> torch.Tensor | None:
+        """``[global norm, norms..., dead fractions...]`` on the device, or None when no
+        layer has a gradient yet."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads or len(grads) < len(self.params):
+            return None
+        norms = torch.stack(torch._foreach_norm(grads)).float()
+        dead = torch.stack(
+            [(g.reshape(g.shape[0], -1).abs().amax(1) == 0).float().mean() for g in grads]
+        )
+        total = torch.linalg.vector_norm(norms).reshape(1)
+        return torch.cat((total, norms, dead))
+
+    def split(self, values: Sequence[float]) -> tuple[float, list[float], list[float]]:
+        n = len(self.params)
+        return values[0], list(values[1 : n + 1]), list(values[n + 1 :])
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy whose tensors are copied to the CPU (never aliases of live tensors)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+class StateKeeper:
+    """Copies of the training state taken every ``every`` steps, for rollback: the newest two,
+    so that one taken before an anomaly's onset is at hand when the anomaly is read a few
+    steps later."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.states: list[tuple[int, dict[str, Any]]] = []
+
+    def maybe_keep(self, step: int, cb_params: Any) -> None:
+        if step % self.every:
+            return
+        state = {"network": cb_params.train_network.state_dict(), "optimizer": None}
+        optimizer = cb_params.optimizer
+        if optimizer is not None:
+            state["optimizer"] = optimizer.state_dict()
+        for name in ("lr_scheduler", "loss_scaler"):
+            obj = cb_params.get(name)
+            if obj is not None and hasattr(obj, "state_dict"):
+                state[name] = obj.state_dict()
+        self.states = [*self.states[-1:], (step, _clone(state))]
+
+    def restore_before(self, step: int, cb_params: Any) -> int | None:
+        """Restore the newest state taken before ``step``; return its step (None if none).
+        States taken at or after ``step`` are dropped: they may hold the anomaly."""
+        self.states = [(s, state) for s, state in self.states if s < step]
+        if not self.states:
+            return None
+        at, state = self.states[-1]
+        cb_params.train_network.load_state_dict(state["network"])
+        if state["optimizer"] is not None:
+            cb_params.optimizer.load_state_dict(state["optimizer"])
+        for name in ("lr_scheduler", "loss_scaler"):
+            if name in state:
+                cb_params.get(name).load_state_dict(state[name])
+        return at
+
+
+def reduce_lr(cb_params: Any, factor: float) -> list[float]:
+    """Multiply every parameter group's learning rate (and a scheduler's base rates, which
+    it would otherwise restore) by ``factor``; return the new rates."""
+    optimizer = cb_params.optimizer
+    if optimizer is None:
+        return []
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    scheduler = cb_params.get("lr_scheduler")
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    return [group["lr"] for group in optimizer.param_groups]
+
+
+def write_snapshot(
+    folder: Path, alert: Alert, cb_params: Any, window: Mapping[str, Sequence[Any]]
+) -> Path:
+    """Write a checkpoint of the run as it is now (resumable, through the checkpoint code)
+    and, beside it, the alert and the recent metric window as JSON; return the checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    stem = f"anomaly-{alert.kind}-step{alert.step}"
+    path = write_atomic(build_checkpoint(cb_params, epoch_complete=False), folder / f"{stem}.pt")
+
+    def clean(value: Any) -> Any:
+        return value if not isinstance(value, float) or math.isfinite(value) else str(value)
+
+    record = {
+        "alert": {k: clean(v) for k, v in asdict(alert).items()},
+        "checkpoint": path.name,
+        "trained_step": int(cb_params.progress.trained_step),
+        "window": {k: [clean(v) for v in vs] for k, vs in window.items()},
+    }
+    tmp = folder / f".{stem}.json.tmp"
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(folder / f"{stem}.json")
+    return path
