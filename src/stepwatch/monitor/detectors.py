@@ -62,27 +62,36 @@ class NonFinite(Detector):
 
 
 class Spike(Detector):
-    """Fires when one value is far above its recent robust level.
+    """Fires when one value is far above its recent robust level and above anything seen
+    lately.
 
-    The limit is ``median + max(z * 1.4826 * MAD, (min_ratio - 1) * |median|)`` of the last
-    ``window`` values: the robust z-score shrugs off heavy-tailed noise and the relative floor
-    keeps flat, low-noise losses from alarming on tiny wiggles. Silent until ``warmup`` values
-    are in. The episode clears on the first value back under the limit.
+    The limit is the larger of ``median + max(z * 1.4826 * MAD, (min_ratio - 1) * |median|)``
+    of the last ``window`` values, and ``peak_ratio`` x the recent peak ratio (the largest
+    value / median seen after warm-up and not alerted on, decaying by half every
+    ``peak_halflife`` values) x the median. The robust z-score shrugs off Gaussian noise, the
+    relative floor keeps flat, low-noise losses from alarming on tiny wiggles, and the peak
+    guard keeps heavy-tailed losses (small batches, outliers in the targets), whose rare large
+    values are part of the stream, from alarming on each. Silent
+    until ``warmup`` values are in. The episode clears on the first value back under the limit.
 
     Args:
         window: values in the rolling median/MAD (default 100).
-        z: robust z-score to exceed (default 10: far outside any Gaussian noise).
+        z: robust z-score to exceed (default 20: far outside Gaussian noise; the MAD
+            understates the spread of heavy-tailed losses).
         min_ratio: the value must also exceed ``min_ratio`` x the median (default 1.5).
         warmup: values needed before it can fire (default: half the window).
         name: what the values are, for the message.
+        peak_ratio: x the recent peak ratio that counts (default 3; None for no peak guard).
+        peak_halflife: values over which the peak halves (default 1000).
     """
 
     kind = "spike"
     _advice = "check the input batch at this step, lower the learning rate or clip gradients"
 
     def __init__(
-        self, window: int = 100, z: float = 10.0, min_ratio: float = 1.5,
-        warmup: int | None = None, name: str = "loss",
+        self, window: int = 100, z: float = 20.0, min_ratio: float = 1.5,
+        warmup: int | None = None, name: str = "loss", peak_ratio: float | None = 3.0,
+        peak_halflife: int = 1000,
     ) -> None:  # fmt: skip
         super().__init__()
         self.window = check_int("window", window, minimum=3)
@@ -93,6 +102,9 @@ class Spike(Detector):
         if self.warmup > self.window:
             raise ValueError(f"'warmup' must be <= window ({window}), but got {_got(warmup)}.")
         self.name = _check_name(name)
+        self.peak_ratio = check_number("peak_ratio", peak_ratio, minimum=1.0, allow_none=True)
+        halflife = check_int("peak_halflife", peak_halflife, minimum=1)
+        self._decay = 0.5 ** (1.0 / halflife)
         self.reset()
 
     def reset(self) -> None:
@@ -100,12 +112,16 @@ class Spike(Detector):
         self._level: deque[float] = deque(maxlen=self.window)
         self._median = self._mad = math.nan
         self._since = 0
+        self._peak = 0.0  # the recent peak of value / median
 
     def _limit(self) -> float:
         if len(self._level) < self.warmup:
             return math.inf
         spread = max(self.z * 1.4826 * self._mad, (self.min_ratio - 1) * abs(self._median))
-        return self._median + spread + 1e-12
+        limit = self._median + spread + 1e-12
+        if self.peak_ratio is not None and self._median > 0:
+            limit = max(limit, self.peak_ratio * self._peak * self._median)
+        return limit
 
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):
@@ -113,10 +129,14 @@ class Spike(Detector):
         limit = self._limit()
         self._level.append(value)
         self._since += 1
+        spike = value > limit
+        self._peak *= self._decay
+        if not spike and self._median > 0:
+            self._peak = max(self._peak, value / self._median)
         # the median/MAD are refreshed every window/10 values: O(1) amortised per value
         if self._since >= self.window // 10 or len(self._level) <= self.warmup:
             self._refresh()
-        if not self._edge(value > limit):
+        if not self._edge(spike):
             return None
         seen = f"{self.name} jumped to {value:.6g} (recent median {self._median:.6g})"
         return self._alert(step, epoch, seen, value)
@@ -132,6 +152,9 @@ class Spike(Detector):
             return super().update_many(steps, values, epoch)
         self._level.extend(values)
         self._since += len(values)
+        self._peak *= self._decay ** len(values)
+        if self._median > 0:
+            self._peak = max(self._peak, top / self._median)
         if self._since >= self.window // 10:
             self._refresh()
         return []
@@ -145,14 +168,17 @@ class Spike(Detector):
 
 class GradExplosion(Spike):
     """Fires when the global gradient norm goes over ``factor`` x the median of the last
-    ``window`` norms (after ``warmup``), or over ``max_norm`` when given (from the first step).
-    Clears on the first norm back under the limit.
+    ``window`` norms (after ``warmup``) and over ``peak_ratio`` x the recent peak, or over
+    ``max_norm`` when given (from the first step). Clears on the first norm back under the
+    limit.
 
     Args:
         window: norms in the rolling median (default 100).
         factor: x median that counts (default 10: healthy norms swing 2-3x between batches).
         warmup: norms needed before the relative rule applies (default 20, at most window).
         max_norm: an absolute bound; None for none.
+        peak_ratio / peak_halflife: the peak guard, as for :class:`Spike` (default 3 and 100
+            norms: they are sampled every few steps).
     """
 
     kind = "grad_explosion"
@@ -160,13 +186,16 @@ class GradExplosion(Spike):
 
     def __init__(
         self, window: int = 100, factor: float = 10.0, warmup: int | None = None,
-        max_norm: float | None = None,
+        max_norm: float | None = None, peak_ratio: float | None = 3.0, peak_halflife: int = 100,
     ) -> None:  # fmt: skip
         self.factor = check_number("factor", factor, minimum=1.0)
         self.max_norm = check_number("max_norm", max_norm, minimum=0.0, allow_none=True)
         window = check_int("window", window, minimum=3)
         warmup = min(20, window) if warmup is None else warmup
-        super().__init__(window=window, z=0.0, min_ratio=self.factor, warmup=warmup)
+        super().__init__(
+            window=window, z=0.0, min_ratio=self.factor, warmup=warmup,
+            peak_ratio=peak_ratio, peak_halflife=peak_halflife,
+        )  # fmt: skip
         self.name = "gradient norm"
 
     def _limit(self) -> float:
@@ -175,81 +204,112 @@ class GradExplosion(Spike):
 
 
 class Divergence(Detector):
-    """Fires when the loss EMA stays above ``best + (factor - 1) * |best|`` for ``patience``
-    steps in a row, ``best`` being the lowest EMA after ``warmup`` steps. Values enter the EMA
-    clipped to 4x it, so one outlier cannot fake a run-away while a real one crosses within a
-    few steps. The episode clears when the EMA is back under the limit.
+    """Fires when the loss level (the median of the last ``level_window`` values) stays above
+    ``factor`` x its best level, and above the high tail of the values at that best, for
+    ``patience`` steps in a row. The best level is the lowest median of the last ``window``
+    values seen after ``warmup`` steps, and the high tail is that window's 95th percentile:
+    on a noisy loss (tiny batches, heavy-tailed targets) the limit rises with the noise,
+    while a real run-away, which moves every value, crosses it within a few steps. The
+    alert names the step where the level first went over; the episode clears when it is back
+    under the limit.
 
     Args:
-        factor: EMA over best that counts (default 2; schedule bumps are tens of percent).
-        patience: consecutive steps above the limit (default 5).
-        warmup: steps before ``best`` is tracked (default 100; covers warm-up transients).
-        alpha: EMA weight of each new value (default 0.1, about a 20-step span).
+        factor: level over best that counts (default 2; schedule bumps are tens of percent).
+        patience: consecutive steps over the limit (default 3).
+        warmup: steps before the best is tracked (default 100; covers warm-up transients).
+        level_window: values in the current level's median (default 9: one outlier, even
+            four, does not move it).
+        window: values behind the best level (default 100).
     """
 
     kind = "divergence"
     _advice = "lower the learning rate, clip gradients, or roll back to the last good checkpoint"
 
     def __init__(
-        self, factor: float = 2.0, patience: int = 5, warmup: int = 100, alpha: float = 0.1
-    ) -> None:
+        self, factor: float = 2.0, patience: int = 3, warmup: int = 100, level_window: int = 9,
+        window: int = 100,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.factor = check_number("factor", factor, minimum=1.0)
         self.patience = check_int("patience", patience, minimum=1)
         self.warmup = check_int("warmup", warmup, minimum=0)
-        self.alpha = _check_fraction("alpha", alpha, one=True)
+        self.level_window = check_int("level_window", level_window, minimum=1)
+        self.window = check_int("window", window, minimum=10)
         self.reset()
 
     def reset(self) -> None:
         super().reset()
-        self._ema = math.nan
-        self._seen = 0
-        self._best = math.inf
-        self._over = 0
+        self._recent: deque[float] = deque(maxlen=self.level_window)
+        self._values: deque[float] = deque(maxlen=self.window)
+        self._seen = self._since = self._over = 0
+        self._best = self._tail = math.inf
+        self._first_over = 0
 
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):
             return None
-        ema = value if math.isnan(self._ema) else self._ema
-        # one outlier moves the EMA by at most alpha * 3 * |EMA|
-        smooth = self._ema = ema + self.alpha * (min(value, ema + 3.0 * abs(ema)) - ema)
+        self._recent.append(value)
+        self._values.append(value)
         self._seen += 1
-        if self._seen <= self.warmup:
+        self._since += 1
+        if self._seen <= self.warmup or len(self._values) < self.window:
             return None
-        best = self._best = min(self._best, smooth)
-        over = smooth > best + (self.factor - 1.0) * abs(best) + 1e-12
-        self._over = self._over + 1 if over else 0
+        if self._since >= self.window // 10:
+            self._since = 0
+            arr = np.fromiter(self._values, dtype=np.float64, count=len(self._values))
+            median = float(np.median(arr))
+            if median < self._best:
+                self._best, self._tail = median, float(np.quantile(arr, 0.95))
+        level = sorted(self._recent)[len(self._recent) // 2]
+        best = self._best
+        limit = max(best + (self.factor - 1.0) * abs(best), self._tail) + 1e-12
+        if level > limit:
+            self._over += 1
+            if self._over == 1:
+                self._first_over = step
+        else:
+            self._over = 0
         if not self._edge(self._over >= self.patience):
             return None
-        seen = f"loss diverges: its moving average {smooth:.6g} is over {self.factor:g}x its best"
-        return self._alert(step, epoch, f"{seen} {best:.6g} for {self.patience} steps", smooth)
+        seen = f"loss diverges: its level {level:.6g} is over {self.factor:g}x its best {best:.6g}"
+        at = self._first_over
+        return self._alert(at, epoch, f"{seen} since step {at}", level)
 
 
 class Plateau(Detector):
-    """Fires when the smoothed loss has not improved by ``min_rel_improvement`` (relative) over
-    the last ``patience`` steps: its EMA now against its EMA ``patience`` steps ago. The
-    episode ends on real progress, the EMA falling ``2 * min_rel_improvement`` below its value
-    at the alert (twice, so EMA noise on a flat loss does not end it); the wait then restarts.
+    """Fires when training cannot progress: the learning rate has been 0 for ``lr_patience``
+    steps (give it through :attr:`lr`), or the smoothed loss has not improved by
+    ``min_rel_improvement`` over the last ``patience`` steps while it is still within
+    ``min_progress`` of where it started (slow convergence). A run that learned and then
+    levelled off has converged: that is not an alert.
+
+    The loss episode ends on real progress, the EMA falling ``2 * min_rel_improvement`` below
+    its value at the alert; the learning-rate one when the rate is above 0 again.
 
     Args:
         patience: steps over which progress is measured (default 500).
-        min_rel_improvement: relative EMA drop that counts as progress (default 0.01: twice
-            the EMA's wander under 5% batch noise; a slow learner gaining ~5% per 500 steps
-            is left alone).
+        min_rel_improvement: relative EMA drop that counts as progress (default 0.01).
+        min_progress: how far (relative) below its starting level the loss must have come
+            for a stall to count as convergence rather than slow convergence (default 0.1).
+        lr_patience: steps at a learning rate of 0 (default 100).
         alpha: EMA weight of each new value (default 0.01, about a 200-step span; the first
             ~70 values only settle the EMA).
     """
 
     kind = "plateau"
-    _advice = "lower the learning rate (ReduceLROnPlateau), or stop if the model is done"
+    _advice = "raise the learning rate or check the schedule, the initialisation and the data"
 
     def __init__(
-        self, patience: int = 500, min_rel_improvement: float = 0.01, alpha: float = 0.01
-    ) -> None:
+        self, patience: int = 500, min_rel_improvement: float = 0.01, min_progress: float = 0.1,
+        lr_patience: int = 100, alpha: float = 0.01,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.patience = check_int("patience", patience, minimum=1)
         self.min_rel_improvement = _check_fraction("min_rel_improvement", min_rel_improvement)
+        self.min_progress = _check_fraction("min_progress", min_progress)
+        self.lr_patience = check_int("lr_patience", lr_patience, minimum=1)
         self.alpha = _check_fraction("alpha", alpha, one=True)
+        self.lr: float | None = None  # the current learning rate, when known
         self.reset()
 
     def reset(self) -> None:
@@ -258,8 +318,21 @@ class Plateau(Detector):
         self._weight = 0.0  # 1 - (1 - alpha) ** n, so the first values do not anchor the EMA
         self._history: deque[float] = deque(maxlen=self.patience + 1)
         self._fired_at = math.nan
+        self._start = math.nan
+        self._zero_lr = 0
+        self._lr_episode = False
 
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
+        lr = self.lr
+        if lr is not None:
+            self._zero_lr = self._zero_lr + 1 if lr <= 0.0 else 0
+            if self._lr_episode and self._zero_lr == 0:
+                self._lr_episode = False
+            elif not self._lr_episode and self._zero_lr >= self.lr_patience:
+                self._lr_episode = True
+                at = step - self._zero_lr + 1
+                seen = f"learning rate is 0 since step {at}: the loss cannot improve"
+                return self._alert(at, epoch, seen, 0.0)
         if not math.isfinite(value):
             return None
         self._sum += self.alpha * (value - self._sum)
@@ -268,6 +341,8 @@ class Plateau(Detector):
         rel = self.min_rel_improvement
         if self._weight < 0.5:  # the first ~0.7/alpha values: the EMA is not settled yet
             return None
+        if math.isnan(self._start):
+            self._start = smooth
         if self._active:
             if smooth >= self._fired_at - 2 * rel * abs(self._fired_at):
                 return None
@@ -278,10 +353,17 @@ class Plateau(Detector):
         old = history[0]
         if len(history) <= self.patience or old - smooth >= rel * abs(old):
             return None
+        start = self._start
+        if smooth < start - self.min_progress * abs(start):
+            return None  # it learned, then levelled off: converged
         self._active = True
         self._fired_at = smooth
-        seen = f"loss plateaued: its moving average went from {old:.6g} to {smooth:.6g}"
-        return self._alert(step, epoch, f"{seen} in {self.patience} steps", smooth)
+        seen = (
+            f"loss plateaued: its moving average went from {old:.6g} to {smooth:.6g} in "
+            f"{self.patience} steps, and is still within {self.min_progress:.0%} of where it "
+            f"started ({start:.6g})"
+        )
+        return self._alert(step, epoch, seen, smooth)
 
 
 class Overfitting(Detector):

@@ -25,7 +25,7 @@ class _PerLayer(Detector):
     def __init__(self, patience: int) -> None:
         super().__init__()
         self.patience = check_int("patience", patience, minimum=1)
-        self._streak = 0
+        self._streak = self._first = 0
         self.names: Sequence[str] | None = None  # the layers' names, for messages
 
     def _layer(self, index: int) -> str:
@@ -34,8 +34,11 @@ class _PerLayer(Detector):
             f"layer {index} ({names[index]})" if names and index < len(names) else f"layer {index}"
         )
 
-    def _count(self, condition: bool) -> bool:  # the episode also needs `patience` in a row
+    def _count(self, condition: bool, step: int) -> bool:
+        # the episode also needs `patience` in a row; the alert names the streak's first step
         self._streak = self._streak + 1 if condition else 0
+        if self._streak == 1:
+            self._first = step
         return self._edge(self._streak >= self.patience)
 
 
@@ -67,14 +70,14 @@ class GradVanishing(_PerLayer):
         if not (math.isfinite(top) and top > 0.0):
             return None  # nothing to compare against; NonFinite covers NaN/Inf
         small = np.flatnonzero((arr < self.ratio * top) & (arr > 0.0))
-        if not self._count(small.size > 0):
+        if not self._count(small.size > 0, step):
             return None
         first = int(small[0])
         seen = (
             f"gradients vanish: {small.size} layer(s) from {self._layer(first)} have norms under "
             f"{self.ratio:g}x the largest ({arr[first]:.3g} vs {top:.3g})"
         )
-        return self._alert(step, epoch, seen, float(arr[first] / top))
+        return self._alert(self._first, epoch, seen, float(arr[first] / top))
 
 
 class DyingReLU(_PerLayer):
@@ -104,9 +107,9 @@ class DyingReLU(_PerLayer):
         if frac.size and not (frac.min() >= 0.0 and frac.max() <= 1.0):
             raise ValueError(f"dead fractions must be within [0, 1], but got {frac.tolist()}.")
         layers = np.flatnonzero(frac >= self.threshold)
-        if not self._count(layers.size > 0):
+        if not self._count(layers.size > 0, step):
             return None
         first = int(layers[0])
         at = self._layer(first)
         seen = f"dying ReLU: {layers.size} layer(s) from {at} have {frac[first]:.1%} dead"
-        return self._alert(step, epoch, seen, float(frac[first]))
+        return self._alert(self._first, epoch, seen, float(frac[first]))

@@ -23,6 +23,7 @@ from ...monitor.detectors import (
     GradVanishing,
     NonFinite,
     Overfitting,
+    Plateau,
     Threshold,
     make_detectors,
 )
@@ -146,6 +147,7 @@ class AnomalyMonitor(Callback):
         self._vanishing = _first(self.detectors, GradVanishing)
         self._dying = _first(self.detectors, DyingReLU)
         self._overfitting = _first(self.detectors, Overfitting)
+        self._plateau = _first(self.detectors, Plateau)
         self._measures_grads = any((self._explosion, self._vanishing, self._dying))
         self._grad_nonfinite = NonFinite("gradient norm") if "nonfinite" in kinds else None
         every_action = [self._default_actions, *self._kind_actions.values()]
@@ -198,13 +200,13 @@ class AnomalyMonitor(Callback):
         if self._keeper is not None:
             self._keeper.maybe_keep(step, p)
         if len(self._losses) >= READ_EVERY or self._grad is not None:
-            self._ship(p.cur_epoch_num)
+            self._ship(p)
         if self._inflight:
             self._drain(run_context, block=False)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
-        self._ship(p.cur_epoch_num)
+        self._ship(p)
         self._drain(run_context, block=True)
         if self._overfitting is None and not self._epoch_thresholds:
             return
@@ -222,11 +224,11 @@ class AnomalyMonitor(Callback):
                 self._raise(alert, run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
-        self._ship(run_context.original_args().cur_epoch_num)
+        self._ship(run_context.original_args())
         self._drain(run_context, block=True)
 
     # -- reading values ---------------------------------------------------------------------
-    def _ship(self, epoch: int) -> None:
+    def _ship(self, p: Any) -> None:
         """Queue one host transfer of the waiting losses and gradient measurement."""
         losses, steps, grad = self._losses, self._steps, self._grad
         if not losses and grad is None:
@@ -246,17 +248,22 @@ class AnomalyMonitor(Callback):
             packed = packed.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        self._inflight.append((epoch, steps, grad[0] if grad else None, packed, ready))
+        lr = p.lr if p.get("optimizer") is not None else None
+        self._inflight.append(
+            (p.cur_epoch_num, lr, steps, grad[0] if grad else None, packed, ready)
+        )
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
         while self._inflight:
-            epoch, steps, grad_step, packed, ready = self._inflight[0]
+            epoch, lr, steps, grad_step, packed, ready = self._inflight[0]
             if ready is not None and not block and not ready.query():
                 return
             self._inflight.popleft()
             if ready is not None:
                 ready.synchronize()
             values = packed.tolist()
+            if self._plateau is not None:
+                self._plateau.lr = lr
             alerts = self._detect(epoch, steps, grad_step, values)
             for alert in sorted(alerts, key=lambda a: a.step):
                 self._raise(alert, run_context)
