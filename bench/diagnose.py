@@ -196,8 +196,9 @@ def _t_noise(df: float) -> Callable[[Any, int], Any]:
 def _healthy() -> list[Scenario]:
     def relu_sgd_step() -> dict[str, Any]:
         torch.manual_seed(0)
+        valid = _ds(_classes(128, 20, 0, sample=1), 32)
         return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(4096, 20, 0), 16), 12, lr=0.05,
-                    valid=_ds(_classes(128, 20, 0, sample=1), 32), schedule=_step_lr(1200))  # fmt: skip
+                    valid=valid, schedule=_step_lr(1200))  # fmt: skip
 
     def tanh_adam_cosine() -> dict[str, Any]:
         torch.manual_seed(1)
@@ -206,8 +207,9 @@ def _healthy() -> list[Scenario]:
 
     def label_noise() -> dict[str, Any]:
         torch.manual_seed(2)
+        valid = _ds(_classes(256, 20, 2, noise=0.3, sample=1), 64)
         return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(8192, 20, 2, noise=0.3), 32), 8,
-                    lr=1e-3, adam=True, valid=_ds(_classes(256, 20, 2, noise=0.3, sample=1), 64))  # fmt: skip
+                    lr=1e-3, adam=True, valid=valid)  # fmt: skip
 
     def cnn() -> dict[str, Any]:
         torch.manual_seed(3)
@@ -221,8 +223,9 @@ def _healthy() -> list[Scenario]:
 
     def tiny_batches() -> dict[str, Any]:
         torch.manual_seed(5)
+        valid = _ds(_classes(64, 20, 5, sample=1), 16)
         return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(4096, 20, 5), 4), 3, lr=0.01,
-                    valid=_ds(_classes(64, 20, 5, sample=1), 16), schedule=_cosine(300))  # fmt: skip
+                    valid=valid, schedule=_cosine(300))  # fmt: skip
 
     def held_gelu_adam() -> dict[str, Any]:
         torch.manual_seed(10)

@@ -1,0 +1,172 @@
+"""AnomalyMonitor and TerminateOnNaN in real training runs: what each action does, the store
+event, the log line, and bad arguments."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import stepwatch as sw
+from stepwatch import AnomalyMonitor, TerminateOnNaN
+from stepwatch.store import Store
+from stepwatch.train.serialization import read_checkpoint
+
+from .conftest import make_batches, make_model
+
+BATCHES = make_batches(n_batches=32, batch_size=8)  # 32 steps per epoch
+
+
+class At(sw.Callback):
+    """Run ``fn(network, optimizer)`` at the start of ``step``."""
+
+    def __init__(self, step: int, fn: Any) -> None:
+        self.step, self.fn = step, fn
+
+    def on_train_step_begin(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        if p.cur_step_num == self.step:
+            with torch.no_grad():
+                self.fn(p.train_network, p.optimizer)
+
+
+def nan_weight(net: Any, opt: Any) -> None:
+    net[0].weight[0, 0] = math.nan
+
+
+def blow_up(net: Any, opt: Any) -> None:
+    net[2].weight.mul_(300)
+
+
+class Stops(sw.Callback):
+    def on_train_end(self, run_context: Any) -> None:
+        self.kind = run_context.stop_kind
+        self.step = run_context.original_args().cur_step_num
+
+
+def test_bad_arguments_fail_at_construction(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="unknown detector kind 'spikes'"):
+        AnomalyMonitor(detectors=["spikes"])
+    with pytest.raises(ValueError, match=r"'action' must be one of 'warn'.*but got 'explode'"):
+        AnomalyMonitor(action="explode")
+    with pytest.raises(ValueError, match="'action' names an unknown detector kind 'nan'"):
+        AnomalyMonitor(action={"nan": "stop"})
+    with pytest.raises(TypeError, match="'action' must be an action name"):
+        AnomalyMonitor(action=5)
+    with pytest.raises(ValueError, match="'every_n_steps' must be an int >= 1"):
+        AnomalyMonitor(every_n_steps=-1)
+    with pytest.raises(ValueError, match="'window' must be an int >= 3"):
+        AnomalyMonitor(detectors={"spike": {"window": -5}})
+    with pytest.raises(ValueError, match="'lr_factor' must be a number with 0 < x < 1"):
+        AnomalyMonitor(lr_factor=2.0)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="'snapshot_dir' must be a folder"):
+        AnomalyMonitor(snapshot_dir=a_file)
+    with pytest.raises(ValueError, match="'snapshot_dir' must be a folder"):
+        AnomalyMonitor(snapshot_dir=a_file / "below")
+
+
+def test_nan_stops_as_an_anomaly_names_its_step_logs_once_and_is_recorded(
+    tmp_path: Any, caplog: Any
+) -> None:
+    db = tmp_path / "runs.db"
+    monitor = AnomalyMonitor(action={"nonfinite": "stop"})
+    stops = Stops()
+    model = make_model()
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        model.train(
+            4,
+            BATCHES,
+            callbacks=[At(40, nan_weight), monitor, stops, sw.RunRecorder(db=db)],
+        )
+    first = monitor.alerts[0]
+    assert (first.kind, first.step, first.epoch) == ("nonfinite", 40, 2)
+    assert "loss is nan" in first.message and "check the input batch" in first.message
+    assert stops.kind == "anomaly"
+    assert 40 <= stops.step <= 40 + 8  # read in a batch, a few steps later at most
+    lines = [r.getMessage() for r in caplog.records if "step 40: loss is nan" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith("[stopping training]")
+    store = Store(db)
+    events = store.events(store.runs()[-1].id)
+    alerts = [e for e in events if e["kind"] == "alert"]
+    assert alerts and alerts[0]["step"] == 40 and "loss is nan" in alerts[0]["message"]
+
+
+def test_terminate_on_nan_stops_the_run() -> None:
+    stops = Stops()
+    monitor = TerminateOnNaN()
+    make_model().train(4, BATCHES, callbacks=[At(10, nan_weight), monitor, stops])
+    assert [a.kind for a in monitor.alerts] == ["nonfinite"]
+    assert stops.kind == "anomaly" and stops.step < 32
+
+
+def test_snapshot_writes_a_resumable_checkpoint_and_the_recent_window(tmp_path: Any) -> None:
+    monitor = AnomalyMonitor(action={"spike": "snapshot"}, snapshot_dir=tmp_path / "snaps")
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[At(70, blow_up), monitor])
+    spike = next(a for a in monitor.alerts if a.kind == "spike")
+    assert spike.step == 70
+    saved = tmp_path / "snaps" / "anomaly-spike-step70.pt"
+    state = read_checkpoint(saved)
+    assert state["step"] >= 70 and "network" in state and "optimizer" in state
+    record = json.loads(saved.with_suffix(".json").read_text())
+    assert record["alert"]["kind"] == "spike" and record["checkpoint"] == saved.name
+    assert record["window"]["step"][-1] >= 70 and len(record["window"]["loss"]) >= 70
+
+
+def test_reduce_lr_and_a_callable_action() -> None:
+    seen: list[tuple[Any, Any]] = []
+    monitor = AnomalyMonitor(
+        action={"spike": ["reduce_lr", lambda alert, rc: seen.append((alert, rc))]}
+    )
+    model = make_model(lr=0.05)
+    model.train(4, BATCHES, callbacks=[At(70, blow_up), monitor])
+    spikes = [a for a in monitor.alerts if a.kind == "spike"]
+    assert spikes and [a for a, _ in seen] == spikes  # the callable saw each alert
+    assert model.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 * 0.5 ** len(spikes))
+    assert isinstance(seen[0][1], sw.RunContext)
+
+
+def test_rollback_restores_the_last_state_before_the_spike_and_goes_on() -> None:
+    kept: dict[str, Any] = {}
+
+    class Keep(sw.Callback):
+        def on_train_step_end(self, run_context: Any) -> None:
+            p = run_context.original_args()
+            if p.cur_step_num == 50:
+                kept["weight"] = p.train_network[2].weight.detach().clone()
+
+    restored: dict[str, Any] = {}
+
+    def look(alert: Any, run_context: Any) -> None:
+        restored["weight"] = run_context.original_args().train_network[2].weight.clone()
+
+    monitor = AnomalyMonitor(action={"spike": ["rollback", look]}, rollback_every=25)
+    stops = Stops()
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[Keep(), At(70, blow_up), monitor, stops])
+    assert monitor.rollbacks == 1
+    assert torch.equal(restored["weight"], kept["weight"])  # the copy of step 50, before 70
+    assert stops.kind is None and stops.step == 128  # it went on to the end
+
+
+def test_rollback_is_bounded_then_stops() -> None:
+    monitor = AnomalyMonitor(action={"spike": "rollback"}, max_rollbacks=0)
+    stops = Stops()
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[At(70, blow_up), monitor, stops])
+    assert monitor.rollbacks == 0 and stops.kind == "anomaly"
+
+
+def test_gradient_detectors_see_a_dead_relu_layer() -> None:
+    def kill(net: Any, opt: Any) -> None:
+        net[0].bias.fill_(-100.0)
+
+    monitor = AnomalyMonitor()
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[At(20, kill), monitor])
+    dying = [a for a in monitor.alerts if a.kind == "dying_relu"]
+    assert dying and 20 <= dying[0].step <= 40
+    assert "(0.weight)" in dying[0].message or "(2.weight)" in dying[0].message
+    assert not [a for a in monitor.alerts if a.kind == "grad_vanishing"]  # zeros are not tiny
