@@ -49,7 +49,8 @@ function fmtDuration(s) {
 
 function fmtTime(t) {
   const d = new Date(t * 1000);
-  return d.toLocaleDateString() + " " + d.toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" });
+  const two = (n) => String(n).padStart(2, "0");
+  return `${d.getFullYear()}-${two(d.getMonth() + 1)}-${two(d.getDate())} ${two(d.getHours())}:${two(d.getMinutes())}`;
 }
 
 // -- which chart a value goes in ------------------------------------------------------------
