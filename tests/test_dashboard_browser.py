@@ -101,7 +101,9 @@ def test_dashboard_in_headless_chromium(browser: Any, tmp_path: Path) -> None:
     try:
         browser.get(server.url)
         wait_until(lambda: len(browser.find_elements("css selector", "#runs tbody tr")) == 2)
-        names = [e.text for e in browser.find_elements("css selector", "#runs tbody td:nth-child(3)")]
+        names = [
+            e.text for e in browser.find_elements("css selector", "#runs tbody td:nth-child(3)")
+        ]
         assert names == ["live", "baseline"]
         statuses = browser.find_elements("css selector", "#runs tbody .status")
         assert [e.text for e in statuses] == ["running", "finished"]
