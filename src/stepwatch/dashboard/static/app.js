@@ -331,7 +331,7 @@ function makeChart(name, entries, div) {
     width: chartWidth(div),
     height: 260,
     scales: { x: { time: false }, y: state.logY ? { distr: 3 } : {} },
-    axes: [{ label: "step" }, { size: 60 }],
+    axes: [{ label: "step" }, { size: 60, values: (u, splits) => splits.map(fmtNumber) }],
     cursor: { drag: { x: true, y: false, setScale: false }, sync: { key: "steps" } },
     legend: { live: true },
     series: [{ label: "step" }, ...entries.map((e) => ({ label: e.label, spanGaps: true, ...e.style }))],
