@@ -3,15 +3,34 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The dashboard's chart library, fetched from npm and shipped inside the package (not committed).
+UPLOT_VERSION := 1.6.32
+VENDOR := src/stepwatch/dashboard/static/vendor
+UPLOT := $(VENDOR)/uPlot.iife.min.js
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install browser demo test lint format bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(UPLOT) browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q "torch==2.13.0" -e ".[dev]"
 	touch $(STAMP)
+
+$(UPLOT): Makefile
+	@command -v npm >/dev/null || { echo "make install: npm is needed to fetch uPlot $(UPLOT_VERSION), the dashboard's chart library"; exit 1; }
+	rm -rf build/npm && mkdir -p build/npm $(VENDOR)
+	cd build/npm && npm pack --silent uplot@$(UPLOT_VERSION) >/dev/null && tar -xzf uplot-$(UPLOT_VERSION).tgz
+	cp build/npm/package/dist/uPlot.min.css build/npm/package/LICENSE $(VENDOR)/
+	cp build/npm/package/dist/uPlot.iife.min.js $(UPLOT)
+
+# The browser tests use Debian's Chromium; as root it is installed when missing, otherwise
+# those tests skip (and .ci/run turns that skip into a failure).
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "make install: no /usr/bin/chromium (not root): the browser tests will skip"; fi
 
 demo: install
 	$(VENV)/bin/stepwatch demo
@@ -42,4 +61,4 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/gpu_amp.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache $(VENDOR) artifacts

@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.reader",
         "stepwatch.store.export",
         "stepwatch.store.writer",
+        "stepwatch.plotting",
+        "stepwatch.dashboard.server",
     ),
     ("stepwatch.train.metrics", "stepwatch.train.serialization", "stepwatch.train.step"),
     ("stepwatch.train.resume", "stepwatch.train.checks"),

@@ -41,7 +41,9 @@ PACKAGE_ALL = [
     "ModelCheckpoint",
     "NumpySlicesDataset",
     "OnRequestExit",
+    "PlotMonitor",
     "Precision",
+    "ProgressBar",
     "Recall",
     "ReduceLROnPlateau",
     "RingBuffer",
@@ -136,6 +138,7 @@ def test_package_faces_keep_their_names() -> None:
         "from stepwatch import Store, RunWriter, Every, RingBuffer, __version__",
         "from stepwatch.store import Store, RunInfo, RunWriter, default_path",
         "import stepwatch.monitor.values, stepwatch.store.export, stepwatch.cli",
+        "import stepwatch.dashboard.server, stepwatch.plotting",
     ],
 )
 def test_reading_imports_no_torch(statements: str) -> None:

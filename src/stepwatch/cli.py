@@ -1,5 +1,5 @@
 """The ``stepwatch`` command: ``demo``, and the run store's ``runs``, ``show``, ``compare``,
-``export`` and ``rm``.
+``export``, ``plot``, ``serve`` (the web dashboard) and ``rm``.
 
 The read commands import only the store reader (no PyTorch), so they start in a fraction of a
 second; ``demo`` loads the trainer. Any failure prints one line on stderr and exits with
@@ -70,6 +70,10 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--db", default=None, help="run store (default $STEPWATCH_DB or ./stepwatch.db)"
     )
+    demo.add_argument(
+        "--serve", action="store_true", help="then open the web dashboard on the run store"
+    )
+    demo.add_argument("--port", type=int, default=8765, help="the dashboard's port (--serve)")
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument(
@@ -98,6 +102,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="output file; a folder for tensorboard (one subfolder <id>-<name> per run) "
         "and for several csv/json runs (one file <id>-<name>.<format> per run)",
     )
+    plot = with_db(sub.add_parser("plot", help="draw runs' curves into a PNG (runs overlaid)"))
+    plot.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
+    plot.add_argument("--out", default="curves.png", help="the PNG file (default curves.png)")
+    plot.add_argument(
+        "--max-points", type=_positive_int, default=2000, help="points per curve (min/max kept)"
+    )
+    serve = with_db(sub.add_parser("serve", help="the live web dashboard on the run store"))
+    serve.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any)")
+    serve.add_argument("--verbose", action="store_true", help="log every request")
     rm = with_db(sub.add_parser("rm", help="delete runs (asks first)"))
     rm.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
     rm.add_argument("--yes", "-y", action="store_true", help="do not ask")
@@ -285,6 +299,46 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plotting import curves_from_store, write_png
+
+    if args.max_points < 2:
+        raise _UsageError("--max-points must be at least 2")
+    with _open_store(args.db) as store:
+        runs = [_run(store, ref).id for ref in dict.fromkeys(args.runs)]
+        curves = curves_from_store(store, runs, max_points=args.max_points)
+    try:
+        path = write_png(curves, args.out)
+    except ImportError as exc:
+        raise _UsageError(str(exc)) from None
+    except OSError as exc:
+        raise _UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
+    print(f"wrote {path} ({', '.join(label for label, _ in curves)})")
+    return 0
+
+
+def _serve(db: str | None, host: str, port: int, verbose: bool = False) -> int:
+    from .dashboard.server import DashboardServer, serve
+
+    def ready(server: DashboardServer) -> None:
+        print(f"stepwatch dashboard on {server.url}  (Ctrl-C stops it)", flush=True)
+
+    try:
+        serve(db, host, port, verbose=verbose, ready=ready)
+    except FileNotFoundError as exc:
+        raise _UsageError(f"{exc}") from None
+    except OSError as exc:
+        raise _UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except KeyboardInterrupt:
+        print("stepwatch dashboard stopped")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _open_store(args.db).close()  # a missing or foreign file: one clear line
+    return _serve(args.db, args.host, args.port, args.verbose)
+
+
 # -- deleting --------------------------------------------------------------------------------
 def _confirm(question: str) -> bool:
     """Ask on stderr, read one line of stdin; no stdin at all is a usage error."""
@@ -403,6 +457,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"\nlook at it: stepwatch show {run_id}{db_arg}"
         f"  |  stepwatch export {run_id} --format csv --out run.csv{db_arg}"
     )
+    if args.serve:
+        return _serve(args.db, "127.0.0.1", args.port)
+    print(
+        f"see its curves: stepwatch serve{db_arg}, then open "
+        f"http://127.0.0.1:8765/?runs={run_id}  (or: stepwatch demo --serve)"
+    )
     return 0
 
 
@@ -412,6 +472,8 @@ COMMANDS = {
     "show": cmd_show,
     "compare": cmd_compare,
     "export": cmd_export,
+    "plot": cmd_plot,
+    "serve": cmd_serve,
     "rm": cmd_rm,
 }
 

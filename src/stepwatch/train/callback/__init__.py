@@ -22,6 +22,8 @@ from .lambda_callback import LambdaCallback
 from .loss_monitor import LossMonitor
 from .lr_scheduler import LearningRateScheduler
 from .on_request_exit import OnRequestExit
+from .plot_monitor import PlotMonitor
+from .progress import ProgressBar
 from .reduce_lr_on_plateau import ReduceLROnPlateau
 from .time_monitor import TimeMonitor
 
@@ -44,7 +46,9 @@ __all__ = [
     "ModelCheckpoint",
     "MonitorCallback",
     "OnRequestExit",
+    "PlotMonitor",
     "Progress",
+    "ProgressBar",
     "ReduceLROnPlateau",
     "RunContext",
     "StopKind",

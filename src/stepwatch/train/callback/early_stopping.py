@@ -10,6 +10,7 @@ from ..._validation import check_bool, check_int, check_number
 from ..serialization import to_cpu
 from ._callback import ORDER_STEER, RunContext
 from ._monitor import MonitorCallback
+from ._print import emit
 
 __all__ = ["EarlyStopping"]
 
@@ -104,7 +105,7 @@ class EarlyStopping(MonitorCallback):
 
     def on_train_end(self, run_context: RunContext) -> None:
         if self.stopped_epoch > 0 and self.verbose:
-            print(f"Epoch {self.stopped_epoch:05d}: early stopping", flush=True)
+            emit(f"Epoch {self.stopped_epoch:05d}: early stopping")
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ import warnings
 from ..._validation import check_int
 from ...monitor.schedule import Every
 from ._callback import Callback, RunContext
+from ._print import emit
 
 __all__ = ["LossMonitor"]
 
@@ -67,10 +68,7 @@ class LossMonitor(Callback):
         if not math.isfinite(loss):
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
         if self._printing:
-            print(
-                f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}",
-                flush=True,
-            )
+            emit(f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}")
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -79,9 +77,7 @@ class LossMonitor(Callback):
             raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)
         if eval_results and self._printing:
-            print(
-                f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}", flush=True
-            )
+            emit(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}")
 
     @property
     def state_key(self) -> str:

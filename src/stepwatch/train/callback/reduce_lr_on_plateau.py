@@ -8,6 +8,7 @@ from typing import Any
 from ..._validation import check_bool, check_int, check_number
 from ._callback import ORDER_STEER, RunContext
 from ._monitor import MonitorCallback
+from ._print import emit
 
 __all__ = ["ReduceLROnPlateau"]
 
@@ -113,10 +114,7 @@ class ReduceLROnPlateau(MonitorCallback):
                 "epoch %d: ReduceLROnPlateau reduced the learning rate to %g", epoch, new_lr
             )
             if self.verbose:
-                print(
-                    f"Epoch {epoch:05d}: ReduceLROnPlateau reducing learning rate to {new_lr:g}.",
-                    flush=True,
-                )
+                emit(f"Epoch {epoch:05d}: ReduceLROnPlateau reducing learning rate to {new_lr:g}.")
 
     def state_dict(self) -> dict[str, Any]:
         return {"wait": self.wait, "best": self.best, "cooldown_counter": self.cooldown_counter}

@@ -6,6 +6,7 @@ import time
 
 from ..._validation import check_bool, check_int
 from ._callback import Callback, RunContext
+from ._print import emit
 
 __all__ = ["TimeMonitor"]
 
@@ -102,4 +103,4 @@ class TimeMonitor(Callback):
         waited, counted, _ = self._data[mode]
         if self.data_time and counted:
             line += f" (data time: {waited * 1000 / counted:5.3f} ms)"
-        print(line + suffix, flush=True)
+        emit(line + suffix)

@@ -1,0 +1,58 @@
+"""Take the README's dashboard screenshot: ``stepwatch demo`` twice, then headless Chromium.
+
+    python examples/dashboard_screenshot.py STORE.db docs/dashboard.png
+
+STORE.db holds the demo runs (``stepwatch demo --db STORE.db --seed 0``, then ``--seed 1``);
+every run in it is selected, so the charts overlay them.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+
+from stepwatch.dashboard.server import make_server, serve_in_thread
+
+
+def main(db: str, out: str) -> None:
+    server = make_server(db, port=0)
+    thread = serve_in_thread(server)
+    profile = tempfile.mkdtemp(prefix="stepwatch-shot-")
+    options = Options()
+    options.binary_location = "/usr/bin/chromium"
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1500,1250",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    try:
+        driver.get(server.url)
+        time.sleep(1.0)
+        driver.find_element("css selector", "#select-all").click()
+        time.sleep(3.0)  # the charts redraw and the runs' summaries arrive
+        driver.save_screenshot(out)
+        print(f"wrote {out}")
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

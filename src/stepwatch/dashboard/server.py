@@ -1,0 +1,332 @@
+"""The local web dashboard: a page and a JSON API over a run store, on the standard library's
+threading HTTP server.
+
+It reads only through :class:`stepwatch.store.Store` (whose connection refuses writes), so it
+never changes the database and keeps working while a training process records into it. It
+binds to ``127.0.0.1`` unless told otherwise and serves nothing outside its own static folder.
+
+API (every answer is JSON; non-finite numbers are ``null``):
+
+* ``GET /api/runs`` - the runs, oldest first: ``id``, ``name``, ``status`` (a dead
+  ``running`` run is ``crashed``), ``started``, ``ended``, ``duration``, ``steps``,
+  ``loss_key``, ``last_loss``, ``best_loss``, ``config``.
+* ``GET /api/runs/{id}/keys`` - the metric keys of a run.
+* ``GET /api/runs/{id}/metrics/{key}?max_points=N&after=STEP&start=S&end=E`` -
+  ``{"steps": [...], "values": [...]}``, min/max-downsampled to at most ``max_points``.
+* ``GET /api/runs/{id}/events`` - checkpoints, stop reasons, alerts.
+* ``GET /api/runs/{id}/summary`` - per key: ``last``, ``min``, ``max``, ``count``,
+  ``last_step``.
+
+An unknown run, key or path answers 404, a malformed parameter 400, each with
+``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mimetypes
+import os
+import sys
+import threading
+from collections.abc import Callable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from .._validation import check_int
+from ..store.reader import Store
+
+__all__ = [
+    "STATIC",
+    "DashboardServer",
+    "check_assets",
+    "make_server",
+    "serve",
+    "serve_in_thread",
+]
+
+STATIC = Path(__file__).resolve().parent / "static"
+VENDOR_FILES = ("vendor/uPlot.iife.min.js", "vendor/uPlot.min.css")
+_METRIC_PARAMS = ("max_points", "after", "start", "end")
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def check_assets(static: Path = STATIC) -> None:
+    """Raise FileNotFoundError, saying how to get it, when the chart library is missing."""
+    missing = [name for name in VENDOR_FILES if not (static / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the dashboard's chart library is missing ({', '.join(missing)} in {static}): "
+            "it is fetched from npm by the install step; run `make install` in a source "
+            "checkout, or reinstall stepwatch from a built package"
+        )
+
+
+def _finite(values: list[float]) -> list[float | None]:
+    return [v if math.isfinite(v) else None for v in values]
+
+
+def _clean(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+class _Api:
+    """The JSON answers, each from one :class:`Store` call."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def runs(self) -> list[dict[str, Any]]:
+        out = []
+        for run, loss in self.store.runs_summary():
+            out.append(
+                {
+                    "id": run.id,
+                    "name": run.name,
+                    "status": run.status,
+                    "started": run.started,
+                    "ended": run.ended,
+                    "duration": run.duration,
+                    "steps": run.steps,
+                    "loss_key": loss.key if loss else None,
+                    "last_loss": loss.last if loss else None,
+                    "best_loss": loss.min if loss else None,
+                    "config": run.config,
+                }
+            )
+        return out
+
+    def keys(self, run: int) -> list[str]:
+        return self.store.keys(run)
+
+    def events(self, run: int) -> list[dict[str, Any]]:
+        return self.store.events(run)
+
+    def summary(self, run: int) -> dict[str, Any]:
+        return self.store.summary(run)
+
+    def metrics(self, run: int, key: str, params: dict[str, int | None]) -> dict[str, Any]:
+        steps, values = self.store.metrics(run, key, **params)
+        return {"steps": steps.tolist(), "values": _finite(values.tolist())}
+
+
+def _int_params(query: str) -> dict[str, int | None]:
+    parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False)
+    unknown = sorted(set(parsed) - set(_METRIC_PARAMS))
+    if unknown:
+        raise _HTTPError(
+            HTTPStatus.BAD_REQUEST,
+            f"unknown parameter {unknown[0]!r}; pass any of {', '.join(_METRIC_PARAMS)}",
+        )
+    params: dict[str, int | None] = {}
+    for name in _METRIC_PARAMS:
+        given = parsed.get(name)
+        if not given:
+            continue
+        if len(given) > 1:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"{name!r} given {len(given)} times")
+        text = given[0].strip()
+        try:
+            number = int(text)
+        except ValueError:
+            raise _HTTPError(
+                HTTPStatus.BAD_REQUEST, f"{name!r} must be an integer, but got {text!r}"
+            ) from None
+        try:
+            check_int(name, number, minimum=2 if name == "max_points" else None)
+        except ValueError as exc:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        params[name] = number
+    return params
+
+
+def _run_id(text: str) -> int:
+    if not text.isdigit() or not text.isascii():
+        raise _HTTPError(HTTPStatus.BAD_REQUEST, f"a run id is an integer, but got {text!r}")
+    return int(text)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: DashboardServer
+    protocol_version = "HTTP/1.1"
+    server_version = "stepwatch-dashboard"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.verbose:
+            super().log_message(format, *args)
+
+    def do_HEAD(self) -> None:
+        self._answer(head=True)
+
+    def do_GET(self) -> None:
+        self._answer(head=False)
+
+    def _answer(self, head: bool) -> None:
+        parts = urlsplit(self.path)
+        try:
+            if parts.path.startswith("/api/"):
+                body = json.dumps(_clean(self._api(parts.path, parts.query))).encode()
+                self._send(HTTPStatus.OK, "application/json", body, head)
+            else:
+                body, kind = self._static(parts.path)
+                self._send(HTTPStatus.OK, kind, body, head)
+        except _HTTPError as exc:
+            body = json.dumps({"error": str(exc)}).encode()
+            self._send(exc.status, "application/json", body, head)
+        except KeyError as exc:
+            message = exc.args[0] if exc.args else "not found"
+            body = json.dumps({"error": str(message)}).encode()
+            self._send(HTTPStatus.NOT_FOUND, "application/json", body, head)
+        except (BrokenPipeError, ConnectionResetError):  # the page went away
+            pass
+        except Exception as exc:  # a failing read is an answer, not a dead server
+            body = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+            self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "application/json", body, head)
+
+    def _send(self, status: HTTPStatus, kind: str, body: bytes, head: bool) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _api(self, path: str, query: str) -> Any:
+        # Split before decoding, so a key holding '/' (eval_precision%2F3) stays one segment.
+        segments = [unquote(s) for s in path.split("/")[2:]]
+        api = self.server.api
+        if segments == ["runs"]:
+            return api.runs()
+        if len(segments) == 3 and segments[0] == "runs":
+            handlers: dict[str, Callable[[int], Any]] = {
+                "keys": api.keys,
+                "events": api.events,
+                "summary": api.summary,
+            }
+            handler = handlers.get(segments[2])
+            if handler is not None:
+                return handler(_run_id(segments[1]))
+        if len(segments) == 4 and segments[0] == "runs" and segments[2] == "metrics":
+            run = _run_id(segments[1])
+            return api.metrics(run, segments[3], _int_params(query))
+        raise _HTTPError(HTTPStatus.NOT_FOUND, f"no API at {path!r}; see GET /api/runs")
+
+    def _static(self, path: str) -> tuple[bytes, str]:
+        root = self.server.static
+        name = unquote(path).lstrip("/") or "index.html"
+        # Only regular files inside the static folder: no '..', no absolute paths, no links out.
+        if "\\" in name or "\x00" in name:
+            raise _HTTPError(HTTPStatus.NOT_FOUND, f"no file {path!r}")
+        target = (root / name).resolve()
+        if not target.is_relative_to(root) or not target.is_file():
+            raise _HTTPError(HTTPStatus.NOT_FOUND, f"no file {path!r}")
+        kind = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+        if kind.startswith("text/") or kind.endswith("javascript"):
+            kind += "; charset=utf-8"
+        return target.read_bytes(), kind
+
+
+class DashboardServer(ThreadingHTTPServer):
+    """The dashboard's HTTP server; ``url`` is where it listens. Close it with
+    :meth:`server_close` (this also closes the store)."""
+
+    daemon_threads = True
+
+    def __init__(
+        self, store: Store, host: str, port: int, static: Path = STATIC, verbose: bool = False
+    ) -> None:
+        self.api = _Api(store)
+        self.store = store
+        self.static = static.resolve()
+        self.verbose = verbose
+        super().__init__((host, port), _Handler)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        text = host.decode() if isinstance(host, bytes) else str(host)
+        shown = f"[{text}]" if ":" in text else text
+        return f"http://{shown}:{port!s}/"
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.store.close()
+
+
+def make_server(
+    db: str | os.PathLike[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    verbose: bool = False,
+) -> DashboardServer:
+    """A dashboard server on ``db`` (not yet serving: call ``serve_forever``).
+
+    Args:
+        db: the run store (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        host: the address to listen on; the default serves this machine only.
+        port: the TCP port; 0 picks a free one (see ``server.url``).
+        verbose: log every request on stderr.
+
+    Raises:
+        FileNotFoundError: no database at ``db``, or the chart library was not installed.
+        ValueError: ``db`` is not a stepwatch database, or a bad ``port``.
+        OSError: the address cannot be bound (the port is taken).
+    """
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"'host' must be an address such as '127.0.0.1', but got {host!r}.")
+    check_int("port", port, minimum=0)
+    if port > 65535:
+        raise ValueError(f"'port' must be at most 65535, but got {port}.")
+    check_assets()
+    store = Store(db)
+    try:
+        return DashboardServer(store, host, port, verbose=verbose)
+    except BaseException:
+        store.close()
+        raise
+
+
+def serve(
+    db: str | os.PathLike[str] | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8765,
+    verbose: bool = False,
+    ready: Callable[[DashboardServer], None] | None = None,
+) -> None:
+    """Serve the dashboard until interrupted (Ctrl-C). ``ready`` is called with the server
+    once it listens (``stepwatch serve`` prints its URL there)."""
+    server = make_server(db, host, port, verbose)
+    try:
+        if ready is not None:
+            ready(server)
+        else:
+            print(f"stepwatch dashboard on {server.url} (Ctrl-C stops it)", file=sys.stderr)
+        server.serve_forever(poll_interval=0.25)
+    finally:
+        server.server_close()
+
+
+def serve_in_thread(server: DashboardServer) -> threading.Thread:
+    """Serve on a daemon thread; stop with ``server.shutdown(); server.server_close()``."""
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+    )
+    thread.start()
+    return thread

@@ -1,0 +1,125 @@
+"""PlotMonitor and ``stepwatch plot``: curves drawn into PNG files with no display."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stepwatch import PlotMonitor, RunRecorder
+from stepwatch.cli import main
+from stepwatch.plotting import panel_of
+from stepwatch.train.callback.plot_monitor import _Series
+
+from .conftest import make_batches, make_model
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_args_validation(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="'path' must be a file name"):
+        PlotMonitor(path=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is a folder"):
+        PlotMonitor(path=tmp_path)
+    with pytest.raises(ValueError, match="every_n_seconds"):
+        PlotMonitor(every_n_seconds=-1)
+    with pytest.raises(ValueError, match="max_points"):
+        PlotMonitor(max_points=1)
+
+
+def test_writes_a_png_headless_at_train_end(tmp_path: Path) -> None:
+    out = tmp_path / "curves.png"
+    model = make_model(metrics={"accuracy"})
+    monitor = PlotMonitor(out, every_n_seconds=0)
+    model.fit(3, make_batches(n_batches=6), make_batches(n_batches=2, seed=1), callbacks=[monitor])
+    width, height = _png_size(out)
+    assert width > 500 and height > 200
+    assert monitor.drawn == 1
+    assert monitor._thread is None  # the drawing thread has ended
+    keys = set(monitor._series)
+    assert {"step_loss", "loss", "eval_loss", "train_accuracy", "eval_accuracy", "lr"} <= keys
+    assert monitor._series["step_loss"].steps == list(range(1, 19))
+
+
+def test_draws_during_training_without_a_display(tmp_path: Path) -> None:
+    out = tmp_path / "live.png"
+    code = (
+        "import matplotlib\n"
+        "from tests.conftest import make_batches, make_model\n"
+        "from stepwatch import PlotMonitor\n"
+        f"monitor = PlotMonitor({str(out)!r}, every_n_seconds=1e-6)\n"
+        "make_model().train(2, make_batches(n_batches=20), callbacks=[monitor])\n"
+        "print(monitor.drawn, matplotlib.get_backend())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root / "src"), str(root)])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=100,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    drawn, backend = done.stdout.split()
+    assert int(drawn) >= 2  # pictures while training, and the last one
+    assert backend.lower() == "agg"
+    assert _png_size(out)[0] > 100
+
+
+def test_a_drawing_failure_never_stops_training(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monitor = PlotMonitor(blocker / "curves.png", every_n_seconds=0)
+    with caplog.at_level(logging.WARNING):
+        make_model().train(1, make_batches(n_batches=3), callbacks=[monitor])
+    assert monitor.drawn == 0
+    assert "PlotMonitor stopped drawing" in caplog.text
+
+
+def test_series_stay_bounded_and_keep_a_spike() -> None:
+    series = _Series(limit=100)
+    for start in range(0, 10_000, 50):
+        steps = list(range(start, start + 50))
+        series.extend(steps, [1000.0 if s == 7_777 else 1.0 for s in steps])
+    assert len(series.steps) <= 200
+    assert series.steps == sorted(series.steps)
+    assert 7_777 in series.steps
+
+
+def test_panels_pair_train_and_validation() -> None:
+    assert panel_of("eval_loss") == panel_of("step_loss") == panel_of("loss") == "loss"
+    assert panel_of("eval_accuracy") == panel_of("train_accuracy") == "accuracy"
+    assert panel_of("eval_precision/3") == "precision"
+    assert panel_of("lr") == "learning rate"
+
+
+def test_plot_command_overlays_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "runs.db"
+    for seed in (0, 1):
+        model = make_model(metrics={"accuracy"}, seed=seed)
+        recorder = RunRecorder(db=db, run_name=f"seed{seed}")
+        model.fit(2, make_batches(n_batches=4), make_batches(2, seed=3), callbacks=[recorder])
+    out = tmp_path / "both.png"
+    assert main(["plot", "1", "seed1", "--out", str(out), "--db", str(db)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert _png_size(out)[0] > 500
+    assert main(["plot", "7", "--out", str(out), "--db", str(db)]) == 2
+    assert "no run '7'" in capsys.readouterr().err
