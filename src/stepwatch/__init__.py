@@ -102,7 +102,6 @@ _TRAIN_NAMES = (
     "MAE",
     "MSE",
     "Accuracy",
-    "Alert",
     "AnomalyMonitor",
     "BackupAndRestore",
     "Callback",
