@@ -25,7 +25,21 @@ def test_demo_trains_digits_past_ninety_percent(tmp_path: Path) -> None:
     tail = out[out.index("\nrecorded as run 1 in stepwatch.db:\n") :].splitlines()
     assert tail[2].split()[:4] == ["id", "name", "status", "steps"]
     assert tail[3].split()[:3] == ["1", "digits-demo", "finished"]
-    assert tail[-1].startswith("look at it: stepwatch show 1  |  stepwatch export 1 ")
+    assert tail[-2].startswith("look at it: stepwatch show 1  |  stepwatch export 1 ")
+    assert tail[-1].startswith("see its curves: stepwatch serve, then open http://127.0.0.1")
+
+
+def test_demo_inject_spike_shows_the_alert_and_the_rollback(tmp_path: Path) -> None:
+    result = run_cli("demo", "--epochs", "6", "--inject", "spike", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "** injecting one corrupt batch: inputs x60, labels shuffled at step 235" in out
+    assert re.search(
+        r"^\*\* alert at step 235: spike -> rolled back to step 200 \(1 of 3\)", out, re.M
+    )
+    assert "** the run ran to the end" in out
+    # the same alert reached the log (stderr) once, with what the action did
+    assert result.stderr.count("step 235: loss jumped to") == 1
 
 
 def test_version_and_bad_arguments() -> None:

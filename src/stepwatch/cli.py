@@ -74,6 +74,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "--serve", action="store_true", help="then open the web dashboard on the run store"
     )
     demo.add_argument("--port", type=int, default=8765, help="the dashboard's port (--serve)")
+    demo.add_argument(
+        "--inject",
+        choices=("nan", "spike", "diverge", "explode"),
+        default=None,
+        help="break the run on purpose in its sixth epoch, to see AnomalyMonitor's alert and "
+        "action (nan: stop; spike, diverge: roll back; explode: snapshot, then stop)",
+    )
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument(
@@ -445,6 +452,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         db=args.db,
         amp_level=args.amp,
+        inject=args.inject,
     )
     db, run_id = result.get("db"), result.get("run_id")
     if db is None or run_id is None:

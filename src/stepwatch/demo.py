@@ -16,6 +16,8 @@ from torch import nn
 from .dataset import NumpySlicesDataset
 from .store import RunRecorder
 from .train import (
+    AnomalyMonitor,
+    Callback,
     CheckpointConfig,
     EarlyStopping,
     History,
@@ -26,7 +28,40 @@ from .train import (
     TimeMonitor,
 )
 
-__all__ = ["load_digits_datasets", "run_demo"]
+__all__ = ["INJECTIONS", "load_digits_datasets", "run_demo"]
+
+# What `--inject` breaks, at the start of the 10th step of the sixth epoch (past the detectors'
+# warm-up), and the action the demo's AnomalyMonitor then takes on any alert.
+INJECTIONS = {
+    "nan": ("a NaN into the first layer's weights", "stop"),
+    "spike": ("one corrupt batch: inputs x60, labels shuffled", "rollback"),
+    "diverge": ("the learning rate x500", "rollback"),
+    "explode": ("the last layer's weights x300", ["snapshot", "stop"]),
+}
+
+
+class _Inject(Callback):
+    def __init__(self, what: str, step: int) -> None:
+        self.what, self.step = what, step
+
+    def on_train_step_begin(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        if p.cur_step_num != self.step:
+            return
+        net = p.train_network
+        print(f"** injecting {INJECTIONS[self.what][0]} at step {self.step}", flush=True)
+        with torch.no_grad():
+            if self.what == "nan":
+                net[0].weight[0, 0] = float("nan")
+            elif self.what == "spike":
+                data, label = p.train_dataset_element
+                data.mul_(60)
+                label.copy_(label[torch.randperm(len(label))])
+            elif self.what == "diverge":
+                for group in p.optimizer.param_groups:
+                    group["lr"] *= 500
+            else:
+                net[2].weight.mul_(300)
 
 
 def load_digits_datasets(
@@ -54,6 +89,14 @@ def load_digits_datasets(
     return train, valid
 
 
+class _Ending(Callback):
+    kind: str | None = None
+    step = 0
+
+    def on_train_end(self, run_context: Any) -> None:
+        self.kind, self.step = run_context.stop_kind, run_context.original_args().cur_step_num
+
+
 def run_demo(
     epochs: int = 20,
     seed: int = 0,
@@ -61,6 +104,7 @@ def run_demo(
     checkpoint_dir: str = "checkpoints",
     db: str | None = None,
     amp_level: str = "O0",
+    inject: str | None = None,
 ) -> dict[str, Any]:
     """Train the digits classifier; return what it produced.
 
@@ -72,7 +116,11 @@ def run_demo(
     Early stopping ends the run when the validation loss stalls, the learning rate halves on a
     plateau, and the best model (by validation accuracy) is kept in ``checkpoint_dir``. The
     run is recorded in the run store ``db`` (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+    An AnomalyMonitor watches the run; ``inject`` (a key of :data:`INJECTIONS`) breaks it on
+    purpose, to show an alert and what its action does.
     """
+    if inject is not None and inject not in INJECTIONS:
+        raise ValueError(f"'inject' must be one of {sorted(INJECTIONS)}, but got {inject!r}.")
     torch.manual_seed(seed)
     train, valid = load_digits_datasets(seed=seed)
     network = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -99,6 +147,13 @@ def run_demo(
         config={"seed": seed, "batch_size": 32, "hidden": 128, "precision": model.precision},
     )
     steps = train.get_dataset_size()
+    actions: Any = "warn"
+    extra: list[Callback] = []
+    if inject is not None:
+        actions = INJECTIONS[inject][1]
+        extra.append(_Inject(inject, min(5, epochs - 1) * steps + 10))
+    anomaly = AnomalyMonitor(action=actions, snapshot_dir=f"{checkpoint_dir}/anomaly")
+    ending = _Ending()
     print(
         f"stepwatch demo: {train.num_rows} training and {valid.num_rows} validation digits, "
         f"{steps} steps per epoch, {epochs} epochs on {model.device}"
@@ -110,6 +165,9 @@ def run_demo(
         train,
         valid,
         callbacks=[
+            *extra,
+            anomaly,
+            ending,
             LossMonitor(per_print_times=steps // 2),
             TimeMonitor(),
             history,
@@ -119,6 +177,13 @@ def run_demo(
             recorder,
         ],
     )
+    for alert, outcome in zip(anomaly.alerts, anomaly.outcomes):
+        print(f"** alert at step {alert.step}: {alert.kind} -> {outcome or 'warned'}", flush=True)
+    if inject is not None:
+        ended = (
+            f"stopped ({ending.kind}) at step {ending.step}" if ending.kind else "ran to the end"
+        )
+        print(f"** the run {ended}", flush=True)
     final = model.eval(valid)
     accuracies = history.history["accuracy"]
     best_index = int(np.nanargmax(accuracies))
@@ -133,5 +198,6 @@ def run_demo(
         "history": history,
         "best_checkpoint": best.best_ckpt_file_name,
         "run_id": recorder.run_id,
+        "alerts": anomaly.alerts,
         "db": recorder.writer.path if recorder.writer is not None else None,
     }

@@ -245,6 +245,12 @@ class Divergence(Detector):
         self._best = self._tail = math.inf
         self._first_over = 0
 
+    def restart_level(self) -> None:
+        """Forget the current level (after a rollback undid the steps it came from); the best
+        level and its window are kept."""
+        self._recent.clear()
+        self._over = 0
+
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):
             return None

@@ -18,6 +18,7 @@ from ...monitor import values as names
 from ...monitor.detectors import (
     Alert,
     Detector,
+    Divergence,
     DyingReLU,
     GradExplosion,
     GradVanishing,
@@ -132,6 +133,7 @@ class AnomalyMonitor(Callback):
             raise ValueError(f"'lr_factor' must be a number with 0 < x < 1, but got {lr_factor!r}.")
         self.window = check_int("window", window, minimum=1)
         self.alerts: list[Alert] = []
+        self.outcomes: list[str] = []  # what the actions did, one entry per alert
         self.rollbacks = 0
         kinds = {d.kind for d in self.detectors}
         self._step_detectors = [
@@ -160,6 +162,7 @@ class AnomalyMonitor(Callback):
         if self._grad_nonfinite is not None:
             self._grad_nonfinite.reset()
         self.alerts = []
+        self.outcomes = []
         self.rollbacks = 0
         self._losses: list[Any] = []
         self._steps: list[int] = []
@@ -304,6 +307,7 @@ class AnomalyMonitor(Callback):
         actions = self._kind_actions.get(alert.kind, self._default_actions)
         done = [self._act(action, alert, run_context) for action in actions]
         did = "; ".join(d for d in done if d)
+        self.outcomes.append(did)
         p = run_context.original_args()
         if p.get("rank_id", 0) == 0:
             logger.warning("%s%s", alert.message, f" [{did}]" if did else "")
@@ -355,6 +359,9 @@ class AnomalyMonitor(Callback):
         # What is still waiting to be read came from the undone steps.
         self._losses, self._steps, self._grad = [], [], None
         self._inflight.clear()
+        for detector in self._step_detectors:
+            if isinstance(detector, Divergence):
+                detector.restart_level()
         now = p.cur_step_num
         return (
             f"rolled back to step {at} ({self.rollbacks} of {self.max_rollbacks}); "

@@ -27,7 +27,8 @@ class LossMonitor(Callback):
     at epoch 1 step 10, epoch 2 step 4, epoch 2 step 14). The loss is read from the device only
     on the steps that print. A NaN or infinite loss stops training with a ValueError: on a
     printing step, or at the latest at the end of the epoch (the epoch's mean loss is then not
-    finite). At the end of a ``fit`` epoch with validation it prints
+    finite), unless the run is already stopping for an anomaly (``AnomalyMonitor`` acted on
+    it). At the end of a ``fit`` epoch with validation it prints
     ``Eval result: epoch 1, metrics: {...}``. Under ``torch.distributed`` only rank 0 prints;
     every rank still checks its loss.
 
@@ -66,6 +67,8 @@ class LossMonitor(Callback):
         loss = cb_params.loss
         step_in_epoch = cb_params.step_in_epoch
         if not math.isfinite(loss):
+            if run_context.stop_kind == "anomaly":
+                return  # already stopping for it
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
         if self._printing:
             emit(f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}")
@@ -73,7 +76,8 @@ class LossMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         epoch_loss = cb_params.train_results.get("loss")
-        if epoch_loss is not None and not math.isfinite(epoch_loss):
+        handled = run_context.stop_kind == "anomaly"  # e.g. AnomalyMonitor stopped the run
+        if epoch_loss is not None and not math.isfinite(epoch_loss) and not handled:
             raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)
         if eval_results and self._printing:
