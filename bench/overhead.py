@@ -31,6 +31,8 @@ Configurations:
   after the timed epoch.
 * ``d2 rec,flush0.1`` - ``d`` with ``flush_seconds=0.1``: the writer thread commits about ten
   times a second, during the timed epoch, as it does in a long run; its cost shows here.
+* ``g rec+anomaly`` - ``d`` plus ``AnomalyMonitor()`` at its defaults: every step's loss
+  read in batches of 8 and run through the detectors, gradient statistics every 10 steps.
 * ``e lightning`` - a ``lightning.pytorch.Trainer`` fitting one epoch of a LightningModule
   whose ``training_step`` calls ``self.log('loss', loss)``; timed from a Lightning callback
   (``on_train_epoch_start`` / ``on_train_epoch_end``), so ``fit`` setup is left out.
@@ -185,7 +187,9 @@ def stepwatch_callbacks_runner(work: Workload) -> EpochRunner:
     return run
 
 
-def stepwatch_recorder_runner(work: Workload, flush_seconds: float = 1.0) -> EpochRunner:
+def stepwatch_recorder_runner(
+    work: Workload, flush_seconds: float = 1.0, anomaly: bool = False
+) -> EpochRunner:
     model = stepwatch_model(work)
     # Removed when the runner is dropped.
     folder = tempfile.TemporaryDirectory(prefix="stepwatch-bench-")
@@ -199,6 +203,8 @@ def stepwatch_recorder_runner(work: Workload, flush_seconds: float = 1.0) -> Epo
             stepwatch.History(),
             stepwatch.RunRecorder(db=db, every_n_steps=1, flush_seconds=flush_seconds),
         ]
+        if anomaly:
+            callbacks.append(stepwatch.AnomalyMonitor())
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
@@ -208,6 +214,10 @@ def stepwatch_recorder_runner(work: Workload, flush_seconds: float = 1.0) -> Epo
 
 def stepwatch_recorder_flushing_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, flush_seconds=0.1)
+
+
+def stepwatch_anomaly_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, anomaly=True)
 
 
 class _Batches:
@@ -341,6 +351,7 @@ CONFIGS = [
     Config("c stepwatch+cb", "epoch hooks (callback)", stepwatch_callbacks_runner),
     Config("d stepwatch+rec", "epoch hooks (callback)", stepwatch_recorder_runner),
     Config("d2 rec,flush0.1", "epoch hooks (callback)", stepwatch_recorder_flushing_runner),
+    Config("g rec+anomaly", "epoch hooks (callback)", stepwatch_anomaly_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),
 ]

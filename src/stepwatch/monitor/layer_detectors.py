@@ -51,7 +51,7 @@ class GradVanishing(_PerLayer):
     Args:
         ratio: smallest healthy norm relative to the largest (default 1e-6: healthy networks
             spread 10-1000x; 12 sigmoid layers shrink by 0.25^11, about 2e-7).
-        patience: consecutive samples (default 5), so one odd batch does not fire.
+        patience: consecutive samples (default 3), so one odd batch does not fire.
     """
 
     kind = "grad_vanishing"
@@ -60,7 +60,7 @@ class GradVanishing(_PerLayer):
         "or He/Xavier initialisation"
     )
 
-    def __init__(self, ratio: float = 1e-6, patience: int = 5) -> None:
+    def __init__(self, ratio: float = 1e-6, patience: int = 3) -> None:
         super().__init__(patience)
         self.ratio = _check_fraction("ratio", ratio)
 
@@ -86,13 +86,13 @@ class DyingReLU(_PerLayer):
 
     Args:
         threshold: dead fraction of a dead layer (default 0.99; healthy ReLU: 30-60% zeros).
-        patience: consecutive samples (default 5).
+        patience: consecutive samples (default 3).
     """
 
     kind = "dying_relu"
     _advice = "lower the learning rate, use LeakyReLU/GELU, or check initialisation and input scale"
 
-    def __init__(self, threshold: float = 0.99, patience: int = 5) -> None:
+    def __init__(self, threshold: float = 0.99, patience: int = 3) -> None:
         super().__init__(patience)
         self.threshold = _check_fraction("threshold", threshold, one=True)
 

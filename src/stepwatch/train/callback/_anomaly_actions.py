@@ -92,23 +92,24 @@ class GradStats:
         layers = [(n, p) for n, p in named if p.dim() >= 2] or named
         self.names = [n for n, _ in layers]
         self.params = [p for _, p in layers]
+        self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
 
     def measure(self) -> torch.Tensor | None:
-        """``[global norm, norms..., dead fractions...]`` on the device, or None when no
-        layer has a gradient yet."""
+        """``[global norm, norms..., live rows...]`` on the device (a live row has a non-zero
+        gradient somewhere), or None when some layer has no gradient yet."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or len(grads) < len(self.params):
             return None
         norms = torch.stack(torch._foreach_norm(grads)).float()
-        dead = torch.stack(
-            [(g.reshape(g.shape[0], -1).abs().amax(1) == 0).float().mean() for g in grads]
-        )
+        live = torch.stack([g.reshape(r, -1).any(1).sum() for g, r in zip(grads, self.rows)])
         total = torch.linalg.vector_norm(norms).reshape(1)
-        return torch.cat((total, norms, dead))
+        return torch.cat((total, norms, live.float()))
 
     def split(self, values: Sequence[float]) -> tuple[float, list[float], list[float]]:
+        """``(global norm, norms, dead fractions)`` from the measured values."""
         n = len(self.params)
-        return values[0], list(values[1 : n + 1]), list(values[n + 1 :])
+        dead = [1.0 - live / rows for live, rows in zip(values[n + 1 :], self.rows)]
+        return values[0], list(values[1 : n + 1]), dead
 
 
 def _clone(obj: Any) -> Any:

@@ -60,8 +60,9 @@ class AnomalyMonitor(Callback):
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
     every step's loss tensor, moved to the host in one transfer every few steps (so a
     non-sampled step never waits for the device), and gradient statistics measured on the
-    device every ``grad_every_n_steps`` optimizer steps (per-layer norms with one fused op,
-    dead-unit fractions) and read in the same transfer. Memory is bounded: every detector keeps
+    device every ``grad_every_n_steps`` optimizer steps, and at the next step after the loss
+    raised an alert (per-layer norms with one fused op, dead-unit fractions), read in the same
+    transfer. Memory is bounded: every detector keeps
     a fixed window. Each detector fires **once per episode** of its condition.
 
     Each alert is an :class:`~stepwatch.monitor.detectors.Alert` (``step`` is the step where
@@ -92,7 +93,7 @@ class AnomalyMonitor(Callback):
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
             samples is not seen).
         snapshot_dir: the folder for ``'snapshot'`` (default ``./anomaly_snapshots``).
-        grad_every_n_steps: optimizer steps between gradient measurements (default 10; the
+        grad_every_n_steps: optimizer steps between gradient measurements (default 20; the
             gradient detectors' patience counts measurements).
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
@@ -115,7 +116,7 @@ class AnomalyMonitor(Callback):
         every_n_steps: int = 1,
         snapshot_dir: str | Path | None = None,
         *,
-        grad_every_n_steps: int = 10,
+        grad_every_n_steps: int = 20,
         max_rollbacks: int = 3,
         rollback_every: int = 50,
         lr_factor: float = 0.5,
@@ -166,6 +167,8 @@ class AnomalyMonitor(Callback):
         self.rollbacks = 0
         self._losses: list[Any] = []
         self._steps: list[int] = []
+        self._lrs: list[float] = []  # the learning rate at each sampled step (for plateau)
+        self._groups: Any = None
         self._grad: tuple[int, torch.Tensor] | None = None
         self._grad_due = 0
         self._inflight: deque[tuple[Any, ...]] = deque()
@@ -185,6 +188,9 @@ class AnomalyMonitor(Callback):
             for detector in (self._vanishing, self._dying):
                 if detector is not None:
                     detector.names = self._stats.names
+        optimizer = p.get("optimizer")
+        if self._plateau is not None and optimizer is not None:
+            self._groups = optimizer.param_groups
         # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
         self._scaled = p.get("loss_scaler") is not None
 
@@ -194,6 +200,8 @@ class AnomalyMonitor(Callback):
         if step % self.every_n_steps == 0:
             self._losses.append(p.loss_tensor)
             self._steps.append(step)
+            if self._groups is not None:
+                self._lrs.append(self._groups[0]["lr"])
         stats = self._stats
         if stats is not None and step >= self._grad_due and p.get("optimizer_stepped", True):
             measured = stats.measure()
@@ -233,10 +241,10 @@ class AnomalyMonitor(Callback):
     # -- reading values ---------------------------------------------------------------------
     def _ship(self, p: Any) -> None:
         """Queue one host transfer of the waiting losses and gradient measurement."""
-        losses, steps, grad = self._losses, self._steps, self._grad
+        losses, steps, grad, lrs = self._losses, self._steps, self._grad, self._lrs
         if not losses and grad is None:
             return
-        self._losses, self._steps, self._grad = [], [], None
+        self._losses, self._steps, self._grad, self._lrs = [], [], None, []
         parts = []
         if losses:
             try:
@@ -251,29 +259,27 @@ class AnomalyMonitor(Callback):
             packed = packed.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        lr = p.lr if p.get("optimizer") is not None else None
         self._inflight.append(
-            (p.cur_epoch_num, lr, steps, grad[0] if grad else None, packed, ready)
+            (p.cur_epoch_num, lrs, steps, grad[0] if grad else None, packed, ready)
         )
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
         while self._inflight:
-            epoch, lr, steps, grad_step, packed, ready = self._inflight[0]
+            epoch, lrs, steps, grad_step, packed, ready = self._inflight[0]
             if ready is not None and not block and not ready.query():
                 return
             self._inflight.popleft()
             if ready is not None:
                 ready.synchronize()
             values = packed.tolist()
-            if self._plateau is not None:
-                self._plateau.lr = lr
-            alerts = self._detect(epoch, steps, grad_step, values)
+            alerts = self._detect(epoch, steps, grad_step, values, lrs)
             for alert in sorted(alerts, key=lambda a: a.step):
                 self._raise(alert, run_context)
 
     def _detect(
-        self, epoch: int, steps: list[int], grad_step: int | None, values: list[float]
-    ) -> list[Alert]:
+        self, epoch: int, steps: list[int], grad_step: int | None, values: list[float],
+        lrs: list[float],
+    ) -> list[Alert]:  # fmt: skip
         n = len(steps)
         losses = values[:n]
         alerts: list[Alert] = []
@@ -282,7 +288,12 @@ class AnomalyMonitor(Callback):
             history["step"].extend(steps)
             history["loss"].extend(losses)
             for detector in self._step_detectors:
-                alerts.extend(detector.update_many(steps, losses, epoch))
+                if detector is self._plateau:
+                    alerts.extend(self._plateau.update_many(steps, losses, epoch, lrs or None))
+                else:
+                    alerts.extend(detector.update_many(steps, losses, epoch))
+            if alerts:
+                self._grad_due = 0  # trouble in the loss: look at the gradients at once
         if grad_step is not None and self._stats is not None:
             total, norms, dead = self._stats.split(values[n:])
             history["grad_step"].append(grad_step)
@@ -357,7 +368,7 @@ class AnomalyMonitor(Callback):
             return f"no state from before step {alert.step} to roll back to, {stopping}"
         self.rollbacks += 1
         # What is still waiting to be read came from the undone steps.
-        self._losses, self._steps, self._grad = [], [], None
+        self._losses, self._steps, self._grad, self._lrs = [], [], None, []
         self._inflight.clear()
         for detector in self._step_detectors:
             if isinstance(detector, Divergence):
