@@ -25,6 +25,7 @@ PACKAGE_ALL = [
     "Callback",
     "CallbackParams",
     "CheckpointConfig",
+    "DistributedMonitor",
     "DynamicLossScaleManager",
     "EarlyStopping",
     "Every",

@@ -15,6 +15,7 @@ from ._callback import (
 from ._monitor import MonitorCallback
 from .backup_and_restore import BackupAndRestore
 from .checkpoint import CheckpointConfig, ModelCheckpoint
+from .distributed_monitor import DistributedMonitor
 from .early_stopping import EarlyStopping
 from .history import History
 from .lambda_callback import LambdaCallback
@@ -34,6 +35,7 @@ __all__ = [
     "CallbackList",
     "CallbackParams",
     "CheckpointConfig",
+    "DistributedMonitor",
     "EarlyStopping",
     "History",
     "LambdaCallback",
