@@ -230,3 +230,30 @@ def test_collectives_are_identities_in_one_process() -> None:
     assert [t.tolist() for t in summed] == [[1.0, 2.0], 3.0, 0.5]
     assert all_gather_rows([1.0, torch.tensor(2.0)]).tolist() == [[1.0, 2.0]]
     assert broadcast_int(7) == 7
+
+
+def test_demo_runs_on_two_processes(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    args = ["demo", "--nproc", "2", "--epochs", "2", "--db", "d.db", "--checkpoint-dir", "ck"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stepwatch", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "2 processes" in out
+    assert out.count("Eval result: epoch 2") == 1  # rank 0 prints, once
+    accuracy = float(out.split("validation accuracy: ")[1].split()[0])
+    assert accuracy > 0.8
+    runs = Store(tmp_path / "d.db").runs()
+    assert [r.status for r in runs] == ["finished"]  # one run, recorded by rank 0
+    assert len(list((tmp_path / "ck").glob("digits-*.pt"))) == 1
