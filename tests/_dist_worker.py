@@ -37,7 +37,7 @@ def make_data(rows: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return x, y
 
 
-def make_model(seed: int = 0, lr: float = 0.1) -> Any:
+def make_model(seed: int = 0, lr: float = 0.1, **kwargs: Any) -> Any:
     from stepwatch import Model
 
     net = make_net(seed)
@@ -47,6 +47,7 @@ def make_model(seed: int = 0, lr: float = 0.1) -> Any:
         torch.optim.SGD(net.parameters(), lr=lr),
         metrics={"accuracy", "loss"},
         device="cpu",
+        **kwargs,
     )
 
 
@@ -110,6 +111,11 @@ def scenario_main(out: Path, rank: int) -> dict[str, Any]:
         "run_id": recorder.run_id,
     }
     torch.save(_weights(model), out / f"main-rank{rank}.pt")
+
+    # Gradient accumulation: the batches that do not step skip the all-reduce (no_sync).
+    accumulating = make_model(accumulate_grad_batches=2)
+    accumulating.train(1, train)
+    torch.save(_weights(accumulating), out / f"accumulate-rank{rank}.pt")
 
     # 2. A DataLoader without a DistributedSampler: one warning per process.
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)

@@ -87,7 +87,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "results": [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)],
         "weights": {
             name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(2)]
-            for name in ("main", "full", "resumed")
+            for name in ("main", "full", "resumed", "accumulate")
         },
     }
 
@@ -147,6 +147,15 @@ def test_gradients_are_averaged_as_one_global_batch(run: dict[str, Any]) -> None
     assert dist_history[0]["loss"] == dist_history[1]["loss"]
     assert dist_history[0]["loss"] == pytest.approx(history.history["loss"], rel=1e-5)
     assert dist_history[0]["train_accuracy"] == history.history["train_accuracy"]
+
+
+def test_accumulation_matches_one_process_with_the_global_batch(run: dict[str, Any]) -> None:
+    accumulated = run["weights"]["accumulate"]
+    assert _allclose(accumulated[0], accumulated[1], rtol=0, atol=0)
+    x, y = make_data()
+    single = make_model(accumulate_grad_batches=2)
+    single.train(1, NumpySlicesDataset((x, y)).batch(8))
+    assert _allclose(accumulated[0], single.train_network.state_dict(), atol=1e-6)
 
 
 def test_the_store_holds_one_run_with_the_reduced_loss(run: dict[str, Any]) -> None:

@@ -187,6 +187,9 @@ def train_epoch(
     * The plain fp32 step (no autocast, scaling, clipping, accumulation or schedule) takes the
       shortest path; the other options add only their own work.
     * A stop requested in a step hook ends the epoch after that step.
+    * In a distributed run the only collectives are DistributedDataParallel's gradient
+      all-reduce (skipped on the batches of an accumulation window that do not step) and,
+      after the last step, one all-reduce of the loss sum, step count and training metrics.
     """
     network, loss_fn, optimizer, device = (
         parts.network,

@@ -38,8 +38,8 @@ def _warn_once(key: str, message: str) -> None:
 def prepare(parts: Parts, train_dataset: Any, valid_dataset: Any) -> tuple[Any, Any]:
     """Wrap the network (once) and give this rank its share of the datasets."""
     if parts.ddp is None:
-        base = parts.step.forward_network if parts.step.forward_network is not None else None
-        parts.ddp = wrap(base if base is not None else parts.network, parts.device)
+        compiled = parts.step.forward_network
+        parts.ddp = wrap(compiled if compiled is not None else parts.network, parts.device)
     train = shard(train_dataset, "train_dataset", pad=True)
     valid = shard(valid_dataset, "valid_dataset", pad=False) if valid_dataset is not None else None
     return train, valid
