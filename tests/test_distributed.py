@@ -266,3 +266,61 @@ def test_demo_runs_on_two_processes(tmp_path: Path) -> None:
     runs = Store(tmp_path / "d.db").runs()
     assert [r.status for r in runs] == ["finished"]  # one run, recorded by rank 0
     assert len(list((tmp_path / "ck").glob("digits-*.pt"))) == 1
+
+
+def test_rank_shares_are_disjoint_padded_and_reshuffled_per_epoch() -> None:
+    x = torch.arange(10.0).reshape(10, 1)
+    ds = NumpySlicesDataset((x, torch.zeros(10)), shuffle=True).batch(2)
+    shares = [ds.for_rank(rank, 3, seed=7) for rank in range(3)]
+    assert [s.num_rows for s in shares] == [4, 4, 4]  # 10 rows padded to 12
+    assert [s.get_dataset_size() for s in shares] == [2, 2, 2]
+    epoch_one = [torch.cat([b[0] for b in s]).flatten().tolist() for s in shares]
+    rows = sorted(v for share in epoch_one for v in share)
+    assert set(rows) == set(range(10)) and len(rows) == 12  # two rows repeated as padding
+    epoch_two = [torch.cat([b[0] for b in s]).flatten().tolist() for s in shares]
+    assert epoch_two != epoch_one  # reshuffled, the same way on every rank
+    # Without padding (evaluation), the shares are exact: 4 + 3 + 3 rows.
+    exact = [ds.for_rank(rank, 3, seed=7, pad=False).num_rows for rank in range(3)]
+    assert exact == [4, 3, 3]
+
+
+def test_distributed_monitor_in_one_process_summarises_without_alerts() -> None:
+    from stepwatch import DistributedMonitor
+
+    monitor = DistributedMonitor(every_n_steps=2)
+    x, y = make_data(32)
+    make_model().train(1, NumpySlicesDataset((x, y)).batch(8), callbacks=[monitor])
+    assert monitor.alerts == []
+    assert set(monitor.last) == {
+        f"{name}_{stat}"
+        for name in ("loss", "step_time", "data_time")
+        for stat in ("mean", "min", "max")
+    }
+    assert monitor.last["loss_min"] == monitor.last["loss_max"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every_n_steps": 0}, ValueError, "every_n_steps"),
+        ({"straggler_factor": 1.0}, ValueError, "straggler_factor"),
+        ({"desync_tolerance": -1.0}, ValueError, "desync_tolerance"),
+        ({"loss_tolerance": "x"}, TypeError, "loss_tolerance"),
+    ],
+)
+def test_distributed_monitor_checks_its_arguments(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    from stepwatch import DistributedMonitor
+
+    with pytest.raises(error, match=match):
+        DistributedMonitor(**kwargs)
+
+
+def test_all_ranks_must_be_a_bool() -> None:
+    from stepwatch import LossMonitor, TimeMonitor
+
+    with pytest.raises(TypeError, match="all_ranks"):
+        LossMonitor(1, all_ranks=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="all_ranks"):
+        TimeMonitor(all_ranks="yes")  # type: ignore[arg-type]
