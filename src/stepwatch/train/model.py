@@ -66,6 +66,10 @@ class Model:
         compile: ``True`` or a dict of ``torch.compile`` options: the network is compiled once
             for training; checkpoints hold the uncompiled module's weights.
 
+    Under ``torch.distributed`` (torchrun) the same calls train data-parallel: the network is
+    wrapped in DistributedDataParallel, a NumpySlicesDataset is split across the ranks, and the
+    epoch loss and metrics are reduced across them (see :mod:`stepwatch.train.parallel`).
+
     Raises:
         TypeError: an argument has the wrong type (a class instead of an instance too).
         ValueError: an unknown metric name or a metric named like a cb_params field.
