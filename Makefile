@@ -59,6 +59,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/memory.py
 	$(PY) bench/gpu_sync.py
 	$(PY) bench/gpu_amp.py
+	$(PY) bench/distributed.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache $(VENDOR) artifacts

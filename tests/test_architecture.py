@@ -36,7 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.callback._callback",),
     ("stepwatch.train.callback._monitor",),
     ("stepwatch.train.callback.*",),
-    ("stepwatch.train.parts",),
+    ("stepwatch.train.parts", "stepwatch.train.parallel"),
     ("stepwatch.train.evaluate",),
     ("stepwatch.train.loop", "stepwatch.store.recorder"),
     ("stepwatch.train.model",),

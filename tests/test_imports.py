@@ -27,6 +27,7 @@ PACKAGE_ALL = [
     "Callback",
     "CallbackParams",
     "CheckpointConfig",
+    "DistributedMonitor",
     "DynamicLossScaleManager",
     "EarlyStopping",
     "Every",

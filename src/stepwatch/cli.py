@@ -9,6 +9,7 @@ status 2 (``STEPWATCH_DEBUG=1`` shows the traceback instead).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -66,6 +67,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--checkpoint-dir", default="checkpoints", help="where the best model is saved"
+    )
+    demo.add_argument(
+        "--nproc",
+        type=_positive_int,
+        default=1,
+        help="train data-parallel on this many local processes (default 1)",
     )
     demo.add_argument(
         "--db", default=None, help="run store (default $STEPWATCH_DB or ./stepwatch.db)"
@@ -443,9 +450,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _check_demo_paths(args)
     if args.device is not None:
         _check_device(args.device)
-    from .demo import run_demo
+    from .demo import run_demo, run_demo_distributed
 
-    result = run_demo(
+    launch = functools.partial(run_demo_distributed, args.nproc) if args.nproc > 1 else run_demo
+    result = launch(
         epochs=args.epochs,
         seed=args.seed,
         device=args.device,

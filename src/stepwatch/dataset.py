@@ -104,15 +104,42 @@ class NumpySlicesDataset:
                     f"{shard_id}."
                 )
             arrays = [a[shard_id::num_shards] for a in arrays]
+        # Sharded by the user already: Model leaves it as it is in a distributed run.
+        self.user_sharded = num_shards is not None and num_shards > 1
         self._arrays = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
         self.column_names = names
         self.shuffle = shuffle
         self._batch_size = 1
         self._drop_remainder = False
+        self._rank_view: tuple[int, int, bool] | None = None  # (rank, world, pad)
+        self.generator: torch.Generator | None = None
 
     @property
     def num_rows(self) -> int:
-        return len(self._arrays[0])
+        """Rows per epoch (this rank's share in a distributed run's view)."""
+        n = len(self._arrays[0])
+        if self._rank_view is None:
+            return n
+        rank, world, pad = self._rank_view
+        return -(-n // world) if pad else len(range(rank, n, world))
+
+    def for_rank(self, rank: int, world: int, seed: int, pad: bool = True) -> NumpySlicesDataset:
+        """A copy that yields only rank ``rank``'s share of the rows, for data-parallel runs.
+
+        Every epoch the rows are (re)shuffled with a generator seeded with ``seed`` (the same on
+        every rank, so the shares are disjoint), then rank ``r`` takes rows ``r, r + world, ...``:
+        one global batch is the same rows a single process would see with ``world`` times the
+        batch size. With ``pad`` (training), the order is padded with its first rows to a
+        multiple of ``world`` so that every rank has the same number of batches, as
+        ``DistributedSampler`` does. ``Model`` makes this copy itself under torch.distributed.
+        """
+        check_int("rank", rank, minimum=0)
+        check_int("world", world, minimum=1)
+        out = object.__new__(NumpySlicesDataset)
+        out.__dict__.update(self.__dict__)
+        out._rank_view = (rank, world, pad)
+        out.generator = torch.Generator().manual_seed(seed) if self.shuffle else None
+        return out
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> NumpySlicesDataset:
         """Return a copy of this dataset that yields batches of ``batch_size`` rows."""
@@ -145,7 +172,12 @@ class NumpySlicesDataset:
         """Yield one tuple of column tensors per batch."""
         n, b = self.num_rows, self._batch_size
         steps = self.get_dataset_size()
-        if self.shuffle:
+        if self._rank_view is not None:
+            rows = self._rank_rows()
+            for i in range(steps):
+                idx = rows[i * b : (i + 1) * b]
+                yield tuple(a[idx] for a in self._arrays)
+        elif self.shuffle:
             order = torch.randperm(n)
             for i in range(steps):
                 idx = order[i * b : (i + 1) * b]
@@ -153,6 +185,20 @@ class NumpySlicesDataset:
         else:
             for i in range(steps):
                 yield tuple(a[i * b : (i + 1) * b] for a in self._arrays)
+
+    def _rank_rows(self) -> torch.Tensor:
+        """This rank's rows for the epoch starting now (draws from ``generator``)."""
+        assert self._rank_view is not None
+        rank, world, pad = self._rank_view
+        total = len(self._arrays[0])
+        if self.generator is not None:
+            order = torch.randperm(total, generator=self.generator)
+        else:
+            order = torch.arange(total)
+        if pad and total % world:
+            extra = world - total % world
+            order = torch.cat([order, order.repeat(-(-extra // total))[:extra]])
+        return order[rank::world]
 
     def create_dict_iterator(self) -> Iterator[dict[str, torch.Tensor]]:
         """Yield one ``{column_name: tensor}`` dict per batch."""

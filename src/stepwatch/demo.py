@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from .dataset import NumpySlicesDataset
+from .distributed import rank_and_world
 from .store import RunRecorder
 from .train import (
     AnomalyMonitor,
     Callback,
     CheckpointConfig,
+    DistributedMonitor,
     EarlyStopping,
     History,
     LossMonitor,
@@ -28,7 +30,7 @@ from .train import (
     TimeMonitor,
 )
 
-__all__ = ["INJECTIONS", "load_digits_datasets", "run_demo"]
+__all__ = ["INJECTIONS", "load_digits_datasets", "run_demo", "run_demo_distributed"]
 
 # What `--inject` breaks, at the start of the 10th step of the sixth epoch (past the detectors'
 # warm-up), and the action the demo's AnomalyMonitor then takes on any alert.
@@ -49,7 +51,8 @@ class _Inject(Callback):
         if p.cur_step_num != self.step:
             return
         net = p.train_network
-        print(f"** injecting {INJECTIONS[self.what][0]} at step {self.step}", flush=True)
+        if p.rank_id == 0:
+            print(f"** injecting {INJECTIONS[self.what][0]} at step {self.step}", flush=True)
         with torch.no_grad():
             if self.what == "nan":
                 net[0].weight[0, 0] = float("nan")
@@ -146,7 +149,9 @@ def run_demo(
         run_name="digits-demo",
         config={"seed": seed, "batch_size": 32, "hidden": 128, "precision": model.precision},
     )
-    steps = train.get_dataset_size()
+    rank, world = rank_and_world()
+    say = print if rank == 0 else _quiet
+    steps = -(-train.get_dataset_size() // world)  # per rank: each trains its share
     actions: Any = "warn"
     extra: list[Callback] = []
     if inject is not None:
@@ -154,12 +159,14 @@ def run_demo(
         extra.append(_Inject(inject, min(5, epochs - 1) * steps + 10))
     anomaly = AnomalyMonitor(action=actions, snapshot_dir=f"{checkpoint_dir}/anomaly")
     ending = _Ending()
-    print(
+    say(
         f"stepwatch demo: {train.num_rows} training and {valid.num_rows} validation digits, "
         f"{steps} steps per epoch, {epochs} epochs on {model.device}"
-        + (f", precision {model.precision}" if model.precision != "32" else ""),
+        + (f", precision {model.precision}" if model.precision != "32" else "")
+        + (f", {world} processes" if world > 1 else ""),
         flush=True,
     )
+    watch_ranks = [DistributedMonitor(every_n_steps=max(steps // 2, 1))] if world > 1 else []
     model.fit(
         epochs,
         train,
@@ -175,24 +182,25 @@ def run_demo(
             ReduceLROnPlateau(monitor="eval_loss", factor=0.5, patience=1, verbose=True),
             best,
             recorder,
+            *watch_ranks,
         ],
     )
     for alert, outcome in zip(anomaly.alerts, anomaly.outcomes):
-        print(f"** alert at step {alert.step}: {alert.kind} -> {outcome or 'warned'}", flush=True)
+        say(f"** alert at step {alert.step}: {alert.kind} -> {outcome or 'warned'}", flush=True)
     if inject is not None:
         ended = (
             f"stopped ({ending.kind}) at step {ending.step}" if ending.kind else "ran to the end"
         )
-        print(f"** the run {ended}", flush=True)
+        say(f"** the run {ended}", flush=True)
     final = model.eval(valid)
     accuracies = history.history["accuracy"]
     best_index = int(np.nanargmax(accuracies))
-    print(
+    say(
         f"validation accuracy: {final['accuracy']:.4f} "
         f"(best {accuracies[best_index]:.4f} at epoch {history.epoch['epoch'][best_index]})",
         flush=True,
     )
-    print(f"best checkpoint: {best.best_ckpt_file_name}", flush=True)
+    say(f"best checkpoint: {best.best_ckpt_file_name}", flush=True)
     return {
         "metrics": final,
         "history": history,
@@ -201,3 +209,50 @@ def run_demo(
         "alerts": anomaly.alerts,
         "db": recorder.writer.path if recorder.writer is not None else None,
     }
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """``print`` on the ranks that do not print."""
+
+
+def _demo_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One process of ``run_demo_distributed``: join the process group, run the demo, leave."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = kwargs.get("device") != "cpu" and torch.cuda.device_count() >= world
+    if not cuda:
+        kwargs = {**kwargs, "device": "cpu"}
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        result = run_demo(**kwargs)
+    finally:
+        dist.destroy_process_group()
+    metrics = {k: float(v) for k, v in result["metrics"].items()}
+    db = result["db"]
+    return {**result, "metrics": metrics, "history": None, "db": str(db) if db else None}
+
+
+def run_demo_distributed(nproc: int = 2, **kwargs: Any) -> dict[str, Any]:
+    """:func:`run_demo` on ``nproc`` local processes, data-parallel (gloo on the CPU; NCCL when
+    there is a GPU per process), started with torchrun's launcher API - the same path as
+    ``torchrun --nproc-per-node N``. Returns rank 0's result (``history`` is None: it stays
+    in its process); the run store holds the one run, recorded by rank 0.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id="stepwatch-demo",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    results = elastic_launch(config, _demo_rank)(kwargs)
+    return dict(results[0])

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..dataset import NumpySlicesDataset, feed, move
+from ..distributed import is_distributed, local_rank
 from .resume import rng_state, set_rng_state
 from .step import StepOptions, cast_floats
 
@@ -231,6 +232,7 @@ RESERVED = frozenset(
         "parallel_mode",
         "device_number",
         "rank_id",
+        "local_rank",
         "train_dataset",
         "train_dataset_element",
         "dataset_sink_mode",
@@ -258,7 +260,10 @@ RESERVED = frozenset(
 
 def resolve_device(device: Any) -> torch.device:
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # One GPU per process in a distributed run: this machine's LOCAL_RANK-th.
+        return torch.device("cuda", local_rank()) if is_distributed() else torch.device("cuda")
     if isinstance(device, str):
         try:
             device = torch.device(device)

@@ -9,6 +9,7 @@ import torch
 
 from ..dataset import check_batch, dataset_size, feed, move
 from .callback._callback import CallbackList, CallbackParams, RunContext
+from .parallel import reduce_epoch
 from .parts import LOSS_CHUNK, Parts, evaluate_metric, fold_losses
 from .step import cast_floats
 
@@ -41,7 +42,8 @@ def eval_pass(
 
     From ``on_eval_epoch_end`` on, cb_params shows this pass's own values: each metric as an
     attribute and ``loss`` as the pass's mean loss; ``eval_results`` (the metrics plus
-    ``eval_loss``) is set before ``on_eval_end``.
+    ``eval_loss``) is set before ``on_eval_end``. In a distributed run the metrics and the
+    loss are those of all ranks' batches together (reduced in one collective).
     """
     network = parts.eval_network
     loss_fn, device = parts.loss_fn, parts.device
@@ -96,12 +98,17 @@ def eval_pass(
                 cb_params.outputs = outputs  # computed under no_grad: no graph
                 if step_end:
                     call("on_eval_step_end", run_context)
+        total = fold_losses(total, pending)
+        loss_sum = float(total) if total is not None and steps else None
+        if cb_params.device_number > 1:
+            # One collective: the loss, the step count and the metrics' states of all ranks.
+            summed, steps = reduce_epoch(total, steps, metric_items)
+            loss_sum = summed if loss_fn is not None and steps else None
         metrics = {name: evaluate_metric(name, m) for name, m in parts.metrics.items()}
         results = dict(metrics)
         cb_params.metrics = metrics  # from here on the values, as MindSpore has them
-        total = fold_losses(total, pending)
-        if total is not None and steps:
-            results["eval_loss"] = float(total) / steps
+        if loss_sum is not None:
+            results["eval_loss"] = loss_sum / steps
         for name, value in metrics.items():
             if name != "loss":
                 setattr(cb_params, name, value)

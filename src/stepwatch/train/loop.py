@@ -28,6 +28,7 @@ from ..dataset import (
 from ..distributed import rank_and_world
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .evaluate import eval_in_fit
+from .parallel import epoch_results
 from .parts import LOSS_CHUNK, Parts, RunPlan, evaluate_metric, fold_losses, new_cb_params
 from .resume import find_resume_point, rng_state, set_rng_state, skip_then_restore
 from .step import cast_floats, found_inf
@@ -186,6 +187,9 @@ def train_epoch(
     * The plain fp32 step (no autocast, scaling, clipping, accumulation or schedule) takes the
       shortest path; the other options add only their own work.
     * A stop requested in a step hook ends the epoch after that step.
+    * In a distributed run the only collectives are DistributedDataParallel's gradient
+      all-reduce (skipped on the batches of an accumulation window that do not step) and,
+      after the last step, one all-reduce of the loss sum, step count and training metrics.
     """
     network, loss_fn, optimizer, device = (
         parts.network,
@@ -196,6 +200,8 @@ def train_epoch(
     assert optimizer is not None
     opts = parts.step
     forward = opts.forward_network if opts.forward_network is not None else network
+    if parts.ddp is not None and cb_params.device_number > 1:
+        forward = parts.ddp  # DistributedDataParallel: backward averages the gradients
     plain = opts.plain
     scaler = opts.scaler
     grad_scaler = scaler if isinstance(scaler, torch.amp.GradScaler) else None
@@ -335,6 +341,8 @@ def train_epoch(
             cb_params.optimizer_stepped = stepping
             cb_params.grad_norm = grad_norm if stepping else None
     total = fold_losses(total, pending)
+    if cb_params.device_number > 1:
+        return epoch_results(parts, total, steps)  # one collective: global loss and metrics
     results: dict[str, Any] = {}
     if total is not None and steps:
         results["loss"] = float(total) / steps

@@ -82,6 +82,12 @@ class Metric:
     ``super().__init__()`` before setting what its ``clear`` uses); the loops call ``clear()``
     before every pass. Built-in metrics also clear themselves when constructed.
 
+    In a distributed run, a metric with ``reduce_state()`` (a list of tensors or numbers to sum
+    over the ranks) and ``load_reduced_state(values)`` (the sums, float64 tensors of the same
+    shapes) is reduced before ``eval()``, in the one collective of the epoch: every built-in
+    metric has them, so its value is the global one on every rank. A metric without them
+    reports its own rank's value (with a warning).
+
     Attributes:
         uses_loss: when True, the loop passes the batch loss to ``update`` instead of
             ``(y_pred, y)``.
@@ -135,6 +141,12 @@ class _HitRate(Metric):
     def eval(self) -> float:
         self._need_updates(self._total)
         return float(self._correct) / self._total
+
+    def reduce_state(self) -> list[Any]:
+        return [self._correct, self._total]
+
+    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
+        self._correct, self._total = values[0], int(values[1])
 
 
 class Accuracy(_HitRate):
@@ -218,6 +230,12 @@ class _ErrorMetric(Metric):
         self._need_updates(self._samples)
         return float(self._sum) / self._samples
 
+    def reduce_state(self) -> list[Any]:
+        return [self._sum, self._samples]
+
+    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
+        self._sum, self._samples = values[0], int(values[1])
+
 
 class MAE(_ErrorMetric):
     """Mean absolute error (summed over a sample's outputs, averaged over samples)."""
@@ -258,6 +276,12 @@ class Loss(Metric):
     def eval(self) -> float:
         self._need_updates(self._count)
         return float(self._sum) / self._count
+
+    def reduce_state(self) -> list[Any]:
+        return [self._sum, self._count]
+
+    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
+        self._sum, self._count = values[0], int(values[1])
 
 
 class _ClassCounts(Metric):
@@ -310,6 +334,16 @@ class _ClassCounts(Metric):
 
     def _denominator(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def reduce_state(self) -> list[Any]:
+        self._need_updates(self._updates)  # the class count is known from the first update
+        return [self._tp, self._pred, self._true, self._updates]
+
+    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
+        assert self._tp is not None
+        device = self._tp.device
+        self._tp, self._pred, self._true = (v.to(device, torch.float32) for v in values[:3])
+        self._updates = int(values[3])
 
     def eval(self) -> float | np.ndarray:
         self._need_updates(self._updates)

@@ -13,7 +13,7 @@ from torch import nn
 
 from .._validation import check_bool, check_int
 from ..dataset import check_first_batch, dataset_size, feed, move
-from ..distributed import rank_and_world
+from ..distributed import abort, rank_and_world
 from .callback._callback import CallbackList, RunContext, normalize_callbacks
 from .callback.history import History
 from .checks import (
@@ -28,6 +28,7 @@ from .checks import (
 from .evaluate import eval_pass
 from .loop import run
 from .metrics import build_metrics
+from .parallel import prepare, shard
 from .parts import Parts, RunPlan, new_cb_params
 from .step import LossScaleManager, build_step_options
 
@@ -64,6 +65,10 @@ class Model:
             (``'epoch'``); its state is saved in checkpoints.
         compile: ``True`` or a dict of ``torch.compile`` options: the network is compiled once
             for training; checkpoints hold the uncompiled module's weights.
+
+    Under ``torch.distributed`` (torchrun) the same calls train data-parallel: the network is
+    wrapped in DistributedDataParallel, a NumpySlicesDataset is split across the ranks, and the
+    epoch loss and metrics are reduced across them (see :mod:`stepwatch.train.parallel`).
 
     Raises:
         TypeError: an argument has the wrong type (a class instead of an instance too).
@@ -387,10 +392,18 @@ class Model:
         cb_params.batch_num = batch_num
         cb_params.dataset_sink_mode = dataset_sink_mode
         run_context = RunContext(cb_params)
-        with cb_list.entered():
-            metrics, _ = eval_pass(
-                self._parts, valid_dataset, batch_num, cb_list, cb_params, run_context
-            )
+        try:
+            if world > 1:
+                valid_dataset = shard(valid_dataset, "valid_dataset", pad=False)
+                cb_params.batch_num = batch_num = dataset_size(valid_dataset, "valid_dataset")
+            with cb_list.entered():
+                metrics, _ = eval_pass(
+                    self._parts, valid_dataset, batch_num, cb_list, cb_params, run_context
+                )
+        except BaseException:
+            if world > 1:
+                abort()
+            raise
         return metrics
 
     def predict(self, *inputs: Any) -> Any:
@@ -433,7 +446,7 @@ class Model:
     ) -> History:
         self._check_epochs(epoch, initial_epoch)
         self._check_sink(dataset_sink_mode, sink_size)
-        rank, _ = rank_and_world()
+        rank, world = rank_and_world()
         given = normalize_callbacks(callbacks)
         history = next((cb for cb in given if isinstance(cb, History)), None)
         if history is None:
@@ -472,5 +485,15 @@ class Model:
             initial_epoch=initial_epoch,
             resume_from=resume_from,
         )
-        run(self._parts, plan)
+        try:
+            if world > 1:
+                plan.train_dataset, plan.valid_dataset = prepare(
+                    self._parts, train_dataset, valid_dataset
+                )
+                plan.batch_num = dataset_size(plan.train_dataset, "train_dataset")
+            run(self._parts, plan)
+        except BaseException:
+            if world > 1:
+                abort()  # the other ranks' collectives fail now instead of waiting forever
+            raise
         return history

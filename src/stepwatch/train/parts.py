@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import local_rank
 from .callback._callback import CallbackList, CallbackParams
 from .step import StepOptions
 
@@ -42,6 +43,8 @@ class Parts:
     # Training-batch metrics accumulate in their own copies so validation never mixes in.
     train_metrics: dict[str, Any] = field(default_factory=dict)
     step: StepOptions = field(default_factory=StepOptions)
+    # In a distributed run: the DistributedDataParallel wrapper that does forward and backward.
+    ddp: Any = None
 
     @property
     def lr_scheduler(self) -> Any:
@@ -108,6 +111,7 @@ def new_cb_params(parts: Parts, cb_list: CallbackList, rank: int, world: int) ->
         metrics=parts.metrics,
         device=parts.device,
         rank_id=rank,
+        local_rank=local_rank() if world > 1 else 0,
         device_number=world,
         parallel_mode="data_parallel" if world > 1 else "stand_alone",
         list_callback=cb_list,

@@ -16,6 +16,7 @@ from ._monitor import MonitorCallback
 from .anomaly import AnomalyMonitor, TerminateOnNaN
 from .backup_and_restore import BackupAndRestore
 from .checkpoint import CheckpointConfig, ModelCheckpoint
+from .distributed_monitor import DistributedMonitor
 from .early_stopping import EarlyStopping
 from .history import History
 from .lambda_callback import LambdaCallback
@@ -38,6 +39,7 @@ __all__ = [
     "CallbackList",
     "CallbackParams",
     "CheckpointConfig",
+    "DistributedMonitor",
     "EarlyStopping",
     "History",
     "LambdaCallback",

@@ -82,6 +82,7 @@ class CallbackParams:
     metrics: dict[str, Any]
     device: Any
     rank_id: int
+    local_rank: int
     device_number: int
     parallel_mode: str
     list_callback: Any

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..._validation import check_int, check_number
+from ...distributed import rank_and_world, sum_across
 from ...monitor import values as names
 from ...monitor.detectors import (
     Alert,
@@ -64,6 +65,11 @@ class AnomalyMonitor(Callback):
     raised an alert (per-layer norms with one fused op, dead-unit fractions), read in the same
     transfer. Memory is bounded: every detector keeps
     a fixed window. Each detector fires **once per episode** of its condition.
+
+    In a distributed run every rank watches the mean loss over the ranks (one all_reduce per
+    transfer, every 8 steps) and the gradients (the same on every rank after DDP's
+    all-reduce), so every rank raises the same alerts at the same step and takes the same
+    action; rank 0 alone logs, records and writes snapshots.
 
     Each alert is an :class:`~stepwatch.monitor.detectors.Alert` (``step`` is the step where
     the anomaly happened, even when it is read a few steps later). It is appended to
@@ -175,6 +181,7 @@ class AnomalyMonitor(Callback):
         self._stats: GradStats | None = None
         self._keeper = StateKeeper(self.rollback_every) if self._keeps_state else None
         self._scaled = False
+        self._rank, self._world = 0, 1
         self._history: dict[str, deque[Any]] = {
             key: deque(maxlen=self.window) for key in ("step", "loss", "grad_step", "grad_norm")
         }
@@ -183,6 +190,7 @@ class AnomalyMonitor(Callback):
     def on_train_begin(self, run_context: RunContext) -> None:
         self._reset()
         p = run_context.original_args()
+        self._rank, self._world = rank_and_world()
         if self._measures_grads and p.get("train_network") is not None:
             self._stats = GradStats(p.train_network)
             for detector in (self._vanishing, self._dying):
@@ -248,9 +256,12 @@ class AnomalyMonitor(Callback):
         parts = []
         if losses:
             try:
-                parts.append(torch.stack(losses).detach().float().reshape(-1))
+                part = torch.stack(losses).detach().float().reshape(-1)
             except (TypeError, RuntimeError):  # not all tensors, or different shapes/devices
-                parts.append(torch.tensor([_as_float(x) for x in losses], dtype=torch.float32))
+                part = torch.tensor([_as_float(x) for x in losses], dtype=torch.float32)
+            if self._world > 1:  # every rank decides on the same numbers: the mean over ranks
+                part = sum_across([part])[0].float().to(part.device) / self._world
+            parts.append(part)
         if grad is not None:
             parts.append(grad[1].to(parts[0].device) if parts else grad[1])
         packed = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -266,7 +277,8 @@ class AnomalyMonitor(Callback):
     def _drain(self, run_context: RunContext, block: bool) -> None:
         while self._inflight:
             epoch, lrs, steps, grad_step, packed, ready = self._inflight[0]
-            if ready is not None and not block and not ready.query():
+            # ranks must act at the same step: in a distributed run, wait for the values
+            if ready is not None and not block and self._world == 1 and not ready.query():
                 return
             self._inflight.popleft()
             if ready is not None:
@@ -340,6 +352,8 @@ class AnomalyMonitor(Callback):
             rates = reduce_lr(p, self.lr_factor)
             return f"learning rate reduced to {rates[0]:g}" if rates else "no optimizer"
         if action == "snapshot":
+            if self._rank != 0:
+                return "snapshot written by rank 0"
             window = {k: list(v) for k, v in self._history.items()}
             try:
                 path = write_snapshot(self.snapshot_dir, alert, p, window)

@@ -74,6 +74,8 @@ class BackupAndRestore(Callback):
                 pass
 
     def _backup(self, run_context: RunContext, epoch_complete: bool) -> None:
+        if run_context.cb_params.rank_id != 0:
+            return  # distributed: rank 0 writes the one backup every rank resumes from
         if run_context.stop_kind == "anomaly" or not weights_finite(run_context.cb_params.network):
             return  # keep the last good backup rather than one of broken weights
         state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
@@ -95,7 +97,8 @@ class BackupAndRestore(Callback):
     def on_train_end(self, run_context: RunContext) -> None:
         # A run stopped from outside (OnRequestExit) is to be resumed, and one stopped by an
         # anomaly may be resumed from its last good state: keep the backup for both.
-        if self.delete_checkpoint and run_context.stop_kind in (None, "requested"):
+        done = run_context.stop_kind in (None, "requested")
+        if self.delete_checkpoint and done and run_context.cb_params.rank_id == 0:
             try:
                 self.backup_path.unlink()
             except FileNotFoundError:

@@ -198,6 +198,9 @@ class ModelCheckpoint(MonitorCallback):
     (training went wrong) does not, and weights that are not finite are never saved (a
     warning says so), so ``-last.pt`` always points at the last good checkpoint.
 
+    In a distributed run only rank 0 writes (the replicas' weights are the same); every rank
+    can resume from its files with ``resume_from=``.
+
     Args:
         prefix: file name prefix (no path separators). If files with this prefix already exist
             in ``directory``, ``prefix_1``, ``prefix_2``, ... is used, as MindSpore does; a run
@@ -265,9 +268,12 @@ class ModelCheckpoint(MonitorCallback):
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(self.directory, self._prefix_requested)
-        self.prefix = self._free_prefix()
+        # Distributed: rank 0 writes; the others keep the same state and write nothing.
+        self._writes = run_context.cb_params.rank_id == 0
+        if self._writes:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.directory, self._prefix_requested)
+            self.prefix = self._free_prefix()
         self._saved = []
         self._reset_monitor(run_context.cb_params)
         self._last_save_step = run_context.original_args().cur_step_num
@@ -316,7 +322,12 @@ class ModelCheckpoint(MonitorCallback):
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         try:
-            if exc_type is not None and self.config.exception_save and self._cb_params is not None:
+            if (
+                exc_type is not None
+                and self.config.exception_save
+                and self._cb_params is not None
+                and self._writes
+            ):
                 p = self._cb_params
                 state = build_checkpoint(
                     p,
@@ -331,6 +342,7 @@ class ModelCheckpoint(MonitorCallback):
             self._close_writer(raise_errors=exc_type is None)
 
     _cb_params: CallbackParams | None = None
+    _writes = True
 
     # -- saving -------------------------------------------------------------------------------
     def _free_prefix(self) -> str:
@@ -355,6 +367,8 @@ class ModelCheckpoint(MonitorCallback):
         self._pending_epoch_save = False
         self._last_save_step = cb_params.cur_step_num
         self._schedule.reset(cb_params.cur_step_num)
+        if not self._writes:
+            return None
         network = self.config.saved_network or cb_params.network
         if not weights_finite(network):
             # A NaN/Inf weight would make this the "newest" file and point -last.pt at it.

@@ -24,7 +24,9 @@ class EarlyStopping(MonitorCallback):
     so far by more than ``min_delta`` and, when ``baseline`` is set, beats the baseline too.
     After ``patience`` epochs in a row without improvement (at least one), training stops after
     the epoch, with the reason logged once. A value of 0 is a value; epochs where the monitor is
-    absent (no validation that epoch) are skipped.
+    absent (no validation that epoch) are skipped. In a distributed run every rank decides on
+    the same (cross-rank) epoch values, so all ranks stop after the same epoch; only rank 0
+    prints.
 
     Args:
         monitor: the watched value: ``'eval_loss'`` (default), ``'loss'``, ``'accuracy'``, ...
@@ -104,7 +106,7 @@ class EarlyStopping(MonitorCallback):
                     )
 
     def on_train_end(self, run_context: RunContext) -> None:
-        if self.stopped_epoch > 0 and self.verbose:
+        if self.stopped_epoch > 0 and self.verbose and run_context.cb_params.rank_id == 0:
             emit(f"Epoch {self.stopped_epoch:05d}: early stopping")
 
     def state_dict(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 import warnings
 
-from ..._validation import check_int
+from ..._validation import check_bool, check_int
+from ...distributed import sum_across
 from ...monitor.schedule import Every
 from ._callback import Callback, RunContext
 from ._print import emit
@@ -29,26 +30,38 @@ class LossMonitor(Callback):
     printing step, or at the latest at the end of the epoch (the epoch's mean loss is then not
     finite), unless the run is already stopping for an anomaly (``AnomalyMonitor`` acted on
     it). At the end of a ``fit`` epoch with validation it prints
-    ``Eval result: epoch 1, metrics: {...}``. Under ``torch.distributed`` only rank 0 prints;
-    every rank still checks its loss.
+    ``Eval result: epoch 1, metrics: {...}``.
+
+    Under ``torch.distributed`` (pass it on every rank) the loss of a printing step is the mean
+    over the ranks, reduced on that step only (one all_reduce per print, none on the other
+    steps); every rank checks that mean, so a NaN on one rank stops all of them at the same step.
+    Only rank 0 prints, unless ``all_ranks=True``: then every rank prints its own loss, the
+    line prefixed with ``[rank N]``.
 
     Args:
         per_print_times: steps between prints; ``0`` never prints.
+        all_ranks: in a distributed run, print on every rank (prefixed) instead of rank 0 only.
 
     Raises:
-        TypeError: ``per_print_times`` is not an int (a bool, float or None included).
+        TypeError: ``per_print_times`` is not an int (a bool, float or None included), or
+            ``all_ranks`` not a bool.
         ValueError: ``per_print_times`` is negative.
     """
 
-    def __init__(self, per_print_times: int = 1) -> None:
+    def __init__(self, per_print_times: int = 1, all_ranks: bool = False) -> None:
         check_int("per_print_times", per_print_times, minimum=0)
+        self.all_ranks = check_bool("all_ranks", all_ranks)
+        self._prefix = ""
+        self._world = 1
         self._per_print_times = per_print_times
         self._schedule = Every(steps=per_print_times)
         self._printing = True
 
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
-        self._printing = cb_params.rank_id == 0
+        self._world = cb_params.device_number
+        self._printing = cb_params.rank_id == 0 or self.all_ranks
+        self._prefix = f"[rank {cb_params.rank_id}] " if self.all_ranks and self._world > 1 else ""
         self._schedule.reset(0)
         last_step = cb_params.initial_step + cb_params.epoch_num * cb_params.batch_num
         if self._per_print_times > last_step:
@@ -66,12 +79,18 @@ class LossMonitor(Callback):
             return
         loss = cb_params.loss
         step_in_epoch = cb_params.step_in_epoch
-        if not math.isfinite(loss):
+        checked = loss
+        if self._world > 1:
+            checked = float(sum_across([loss])[0]) / self._world  # the cross-rank mean
+            if not self.all_ranks:
+                loss = checked
+        if not math.isfinite(checked):
             if run_context.stop_kind == "anomaly":
                 return  # already stopping for it
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
         if self._printing:
-            emit(f"epoch: {cb_params.cur_epoch_num} step: {step_in_epoch}, loss is {loss}")
+            epoch = cb_params.cur_epoch_num
+            emit(f"{self._prefix}epoch: {epoch} step: {step_in_epoch}, loss is {loss}")
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -81,7 +100,8 @@ class LossMonitor(Callback):
             raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)
         if eval_results and self._printing:
-            emit(f"Eval result: epoch {cb_params.cur_epoch_num}, metrics: {eval_results}")
+            epoch = cb_params.cur_epoch_num
+            emit(f"{self._prefix}Eval result: epoch {epoch}, metrics: {eval_results}")
 
     @property
     def state_key(self) -> str:

@@ -112,7 +112,7 @@ class OnRequestExit(Callback):
     def _stop(self, run_context: RunContext, epoch_complete: bool) -> None:
         assert self.received is not None
         reason = f"received {self.received.name}"
-        if self.save_ckpt and self.checkpoint_path is None:
+        if self.save_ckpt and self.checkpoint_path is None and run_context.cb_params.rank_id == 0:
             state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
             self.checkpoint_path = write_atomic(state, self.path)
             reason += f"; checkpoint saved to {self.checkpoint_path}"

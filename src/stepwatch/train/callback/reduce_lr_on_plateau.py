@@ -94,11 +94,11 @@ class ReduceLROnPlateau(MonitorCallback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            self._reduce(cb_params.optimizer, cb_params.cur_epoch_num)
+            self._reduce(cb_params.optimizer, cb_params.cur_epoch_num, cb_params.rank_id == 0)
             self.cooldown_counter = self.cooldown
             self.wait = 0
 
-    def _reduce(self, optimizer: Any, epoch: int) -> None:
+    def _reduce(self, optimizer: Any, epoch: int, printing: bool = True) -> None:
         groups = optimizer.param_groups
         floors = self.min_lr if isinstance(self.min_lr, list) else [self.min_lr] * len(groups)
         reduced = False
@@ -113,7 +113,7 @@ class ReduceLROnPlateau(MonitorCallback):
             logger.info(
                 "epoch %d: ReduceLROnPlateau reduced the learning rate to %g", epoch, new_lr
             )
-            if self.verbose:
+            if self.verbose and printing:
                 emit(f"Epoch {epoch:05d}: ReduceLROnPlateau reducing learning rate to {new_lr:g}.")
 
     def state_dict(self) -> dict[str, Any]:

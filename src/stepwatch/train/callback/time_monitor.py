@@ -17,23 +17,31 @@ class TimeMonitor(Callback):
     The training epoch time counts the training steps only: in ``fit`` the validation pass is
     timed on its own (``Eval epoch time: ...``) and left out of the training figure. The epoch
     ends after the loop has read the epoch's loss from the device, so on a GPU the figure
-    includes the queued work. Under ``torch.distributed`` only rank 0 prints.
+    includes the queued work. Under ``torch.distributed`` only rank 0 prints (its own times; no
+    collective is issued), unless ``all_ranks=True``: then every rank prints its own, the line
+    prefixed with ``[rank N]`` (``DistributedMonitor`` compares the ranks' times).
 
     Args:
         data_size: steps per epoch to divide by; default the dataset's number of batches.
         data_time: also print the mean time per step spent waiting for the next batch,
             `` (data time: 0.120 ms)``.
+        all_ranks: in a distributed run, print on every rank (prefixed) instead of rank 0 only.
 
     Raises:
-        TypeError: ``data_size`` not an int or None; ``data_time`` not a bool.
+        TypeError: ``data_size`` not an int or None; ``data_time`` or ``all_ranks`` not a bool.
         ValueError: ``data_size`` < 1.
     """
 
     rank_zero_only = True
 
-    def __init__(self, data_size: int | None = None, data_time: bool = False) -> None:
+    def __init__(
+        self, data_size: int | None = None, data_time: bool = False, all_ranks: bool = False
+    ) -> None:
         self.data_size = check_int("data_size", data_size, minimum=1, allow_none=True)
         self.data_time = check_bool("data_time", data_time)
+        self.all_ranks = check_bool("all_ranks", all_ranks)
+        self.rank_zero_only = not all_ranks
+        self._prefix = ""
         self._train_start = 0.0
         self._eval_start = 0.0
         self._eval_outer_start = 0.0
@@ -50,6 +58,8 @@ class TimeMonitor(Callback):
 
     def on_train_begin(self, run_context: RunContext) -> None:
         self._compile_shown = False
+        p = run_context.cb_params
+        self._prefix = f"[rank {p.rank_id}] " if self.all_ranks and p.device_number > 1 else ""
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         self._eval_seconds = 0.0
@@ -103,4 +113,4 @@ class TimeMonitor(Callback):
         waited, counted, _ = self._data[mode]
         if self.data_time and counted:
             line += f" (data time: {waited * 1000 / counted:5.3f} ms)"
-        emit(line + suffix)
+        emit(self._prefix + line + suffix)

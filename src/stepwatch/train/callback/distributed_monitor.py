@@ -1,0 +1,254 @@
+"""``DistributedMonitor``: compare the ranks of a data-parallel run every N steps, in one
+collective: loss, step time, data wait, and whether the replicas are still in step."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..._validation import check_int, check_number
+from ...distributed import all_gather_rows
+from ...monitor.detectors import Alert
+from ._callback import Callback, RunContext
+
+__all__ = ["DistributedMonitor"]
+
+logger = logging.getLogger("stepwatch")
+
+# The columns each rank contributes to the interval's all_gather.
+_LOSS, _STEP, _DATA, _BUSY, _SUM = range(5)
+
+
+class DistributedMonitor(Callback):
+    """Every ``every_n_steps`` global steps, gather one row from every rank - its step loss,
+    its mean step time and data-wait time over the interval, the time it was busy before the
+    gradient all-reduce, and a checksum of its weights - in ONE all_gather (nothing on the other
+    steps), then:
+
+    * log (``logging``, on rank 0) and record the mean/min/max over the ranks of the loss, the
+      step time and the data-wait time: with a ``RunRecorder`` in the run, under the keys
+      ``dist/loss_mean``, ``dist/loss_min``, ``dist/loss_max``, ``dist/step_time_*``,
+      ``dist/data_time_*``; ``last`` holds the latest summary on every rank;
+    * raise a ``straggler`` alert when a rank's busy time (data wait, step-begin hooks and
+      forward: what a rank does before it waits for the others in the gradient all-reduce,
+      where synchronous training evens out the step times) exceeds the median of the other
+      ranks' by ``straggler_factor`` and by at least ``straggler_seconds`` (so that the
+      scheduling noise of sub-millisecond steps is not a straggler);
+    * raise a ``desync`` alert when the replicas' weight checksums differ by more than
+      ``desync_tolerance`` (relative): DistributedDataParallel keeps replicas identical, so a
+      difference means one is out of step; and, when ``loss_tolerance`` is set, when the
+      ranks' losses spread by more than that (relative to their mean).
+
+    Alerts (:class:`stepwatch.monitor.detectors.Alert`) are appended to ``alerts`` on every
+    rank, logged as warnings on rank 0, and written to the run store as events of kind
+    ``"alert"``. A single process gathers from itself: the summary still works, no alert fires.
+    Pass it on every rank (the gather needs them all).
+
+    Args:
+        every_n_steps: global steps between gathers.
+        straggler_factor: how many times the others' median busy time makes a straggler (> 1).
+        straggler_seconds: the least excess per step, in seconds, that makes a straggler.
+        desync_tolerance: the largest relative checksum difference between replicas (>= 0).
+        loss_tolerance: the largest relative loss spread, or None (default) not to compare
+            losses (ranks see different batches, so their losses differ by nature).
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type or out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        straggler_factor: float = 1.5,
+        straggler_seconds: float = 0.01,
+        desync_tolerance: float = 1e-6,
+        loss_tolerance: float | None = None,
+    ) -> None:
+        self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
+        self.straggler_factor = float(check_number("straggler_factor", straggler_factor) or 0.0)
+        if not self.straggler_factor > 1:
+            raise ValueError(
+                f"'straggler_factor' must be a number > 1, but got {straggler_factor!r}."
+            )
+        self.straggler_seconds = check_number("straggler_seconds", straggler_seconds, minimum=0.0)
+        self.desync_tolerance = check_number("desync_tolerance", desync_tolerance, minimum=0.0)
+        self.loss_tolerance = check_number(
+            "loss_tolerance", loss_tolerance, minimum=0.0, allow_none=True
+        )
+        self.alerts: list[Alert] = []
+        self.last: dict[str, float] = {}
+        self._rank = 0
+        self._params: list[torch.Tensor] = []
+        self._hook: Any = None
+        self._sums = [0.0, 0.0, 0.0]  # step time, data wait, busy time over the interval
+        self._steps = 0
+        self._prev_end = 0.0
+        self._forward_end = 0.0
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def on_train_begin(self, run_context: RunContext) -> None:
+        p = run_context.cb_params
+        self._rank = p.rank_id
+        self._params = [t for t in p.network.parameters()]
+        self._remove_hook()
+        self._hook = p.network.register_forward_hook(self._forward_done)
+        self._reset_interval()
+
+    def on_train_epoch_begin(self, run_context: RunContext) -> None:
+        self._prev_end = time.perf_counter()
+
+    def _forward_done(self, *args: Any) -> None:
+        self._forward_end = time.perf_counter()
+
+    def on_train_step_begin(self, run_context: RunContext) -> None:
+        now = time.perf_counter()
+        self._sums[1] += now - self._prev_end
+        self._forward_end = now
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        p = run_context.cb_params
+        sums = self._sums
+        sums[0] += p.step_time
+        sums[2] += self._forward_end - self._prev_end
+        self._steps += 1
+        if p.cur_step_num % self.every_n_steps == 0:
+            self._gather(p)
+        self._prev_end = time.perf_counter()
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self._remove_hook()
+
+    def __exit__(self, *err: Any) -> None:
+        self._remove_hook()
+
+    # -- the interval's gather --------------------------------------------------------------
+    def _reset_interval(self) -> None:
+        self._sums = [0.0, 0.0, 0.0]
+        self._steps = 0
+
+    def _gather(self, p: Any) -> None:
+        n = max(self._steps, 1)
+        with torch.no_grad():
+            checksum = torch.stack([t.detach().sum(dtype=torch.float64) for t in self._params])
+        loss = p.loss_tensor if p.loss_tensor is not None else math.nan
+        row = [loss, self._sums[0] / n, self._sums[1] / n, self._sums[2] / n, checksum.sum()]
+        table = all_gather_rows(row).tolist()  # one collective; one host read
+        self._reset_interval()
+        step, epoch = p.cur_step_num, p.cur_epoch_num
+        summary: dict[str, float] = {}
+        for name, col in (("loss", _LOSS), ("step_time", _STEP), ("data_time", _DATA)):
+            column = [r[col] for r in table]
+            summary[f"{name}_mean"] = sum(column) / len(column)
+            summary[f"{name}_min"] = min(column)
+            summary[f"{name}_max"] = max(column)
+        self.last = summary
+        writer = self._writer(p)
+        if self._rank == 0:
+            logger.info(
+                "step %d: loss %.6g (min %.6g, max %.6g), step time %.3f ms (max %.3f ms), "
+                "data wait %.3f ms (max %.3f ms) over %d ranks",
+                step,
+                summary["loss_mean"],
+                summary["loss_min"],
+                summary["loss_max"],
+                summary["step_time_mean"] * 1000,
+                summary["step_time_max"] * 1000,
+                summary["data_time_mean"] * 1000,
+                summary["data_time_max"] * 1000,
+                len(table),
+            )
+            if writer is not None:
+                for key, value in summary.items():
+                    writer.log(f"dist/{key}", value, step, epoch)
+        for alert in self._check(table, step, epoch):
+            self.alerts.append(alert)
+            if self._rank == 0:
+                logger.warning("%s alert at step %d: %s", alert.kind, step, alert.message)
+                if writer is not None:
+                    writer.event(
+                        "alert",
+                        alert.message,
+                        step,
+                        epoch,
+                        level="warning",
+                        data={"kind": alert.kind, "value": alert.value},
+                    )
+
+    def _check(self, table: list[list[float]], step: int, epoch: int) -> list[Alert]:
+        alerts: list[Alert] = []
+        world = len(table)
+        if world < 2:
+            return alerts
+        busy = [r[_BUSY] for r in table]
+        for rank, mine in enumerate(busy):
+            others = sorted(busy[:rank] + busy[rank + 1 :])
+            mid = len(others) // 2
+            median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+            slow = mine > self.straggler_factor * median
+            if median > 0 and slow and mine - median >= self.straggler_seconds:
+                alerts.append(
+                    Alert(
+                        step,
+                        epoch,
+                        "straggler",
+                        f"rank {rank} is a straggler: {mine * 1000:.3f} ms of work per step "
+                        f"before the gradient all-reduce, {mine / median:.1f}x the other ranks' "
+                        f"median ({median * 1000:.3f} ms); the others wait for it. Look at its "
+                        "data loading, its machine's load, or its device.",
+                        mine / median,
+                    )
+                )
+        sums = [r[_SUM] for r in table]
+        reference = sums[0]
+        scale = max(abs(reference), 1.0)
+        worst = max(range(world), key=lambda r: abs(sums[r] - reference))
+        gap = abs(sums[worst] - reference) / scale
+        if not math.isfinite(gap) or gap > self.desync_tolerance:
+            alerts.append(
+                Alert(
+                    step,
+                    epoch,
+                    "desync",
+                    f"rank {worst}'s weights are out of step with rank 0's (checksum "
+                    f"{sums[worst]:.9g} vs {reference:.9g}, relative gap {gap:.3g}): the "
+                    "replicas no longer train the same model. Check for code that changes "
+                    "weights on one rank only, or a network that was not wrapped in "
+                    "DistributedDataParallel.",
+                    gap,
+                )
+            )
+        if self.loss_tolerance is not None:
+            losses = [r[_LOSS] for r in table]
+            mean = sum(losses) / world
+            spread = (max(losses) - min(losses)) / max(abs(mean), 1e-12)
+            if not math.isfinite(spread) or spread > self.loss_tolerance:
+                alerts.append(
+                    Alert(
+                        step,
+                        epoch,
+                        "desync",
+                        f"the ranks' losses disagree: from {min(losses):.6g} to "
+                        f"{max(losses):.6g} (relative spread {spread:.3g} > "
+                        f"{self.loss_tolerance:g}).",
+                        spread,
+                    )
+                )
+        return alerts
+
+    @staticmethod
+    def _writer(p: Any) -> Any:
+        """The run store writer of a RunRecorder in the run (rank 0), or None."""
+        for cb in p.list_callback:
+            writer = getattr(cb, "writer", None)
+            if writer is not None and callable(getattr(writer, "event", None)):
+                return writer
+        return None
+
+    def _remove_hook(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()

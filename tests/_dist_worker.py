@@ -1,0 +1,195 @@
+"""One rank of the two-process runs of tests/test_distributed.py (gloo on the CPU).
+
+Run as ``python tests/_dist_worker.py SCENARIO OUT_DIR`` with RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT set; each rank writes what it saw to ``OUT_DIR/rank<r>.json`` (and
+its final weights to ``OUT_DIR/<name>-rank<r>.pt``). The data and network builders are shared
+with the test, which runs the single-process reference runs itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# Short enough that a test never waits long on a collective that cannot complete.
+PG_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def make_net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def make_data(rows: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 4, generator=gen)
+    y = ((x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()).clamp(max=2)
+    return x, y
+
+
+def make_model(seed: int = 0, lr: float = 0.1, **kwargs: Any) -> Any:
+    from stepwatch import Model
+
+    net = make_net(seed)
+    return Model(
+        net,
+        nn.CrossEntropyLoss(),
+        torch.optim.SGD(net.parameters(), lr=lr),
+        metrics={"accuracy", "loss"},
+        device="cpu",
+        **kwargs,
+    )
+
+
+def _weights(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.train_network.state_dict().items()}
+
+
+def _alerts(monitor: Any) -> list[list[Any]]:
+    return [[a.step, a.kind, a.message] for a in monitor.alerts]
+
+
+def scenario_main(out: Path, rank: int) -> dict[str, Any]:
+    from stepwatch import (
+        Callback,
+        CheckpointConfig,
+        DistributedMonitor,
+        EarlyStopping,
+        LossMonitor,
+        ModelCheckpoint,
+        NumpySlicesDataset,
+        RunRecorder,
+        TimeMonitor,
+    )
+
+    result: dict[str, Any] = {}
+
+    # 1. Training: 64 rows, 4 per rank and step (a global batch of 8): 8 steps per epoch.
+    class Seen(Callback):
+        def __init__(self) -> None:
+            self.rows: list[float] = []
+            self.fields: dict[str, Any] = {}
+
+        def on_train_step_begin(self, run_context: Any) -> None:
+            p = run_context.cb_params
+            self.rows.extend(p.train_dataset_element[0][:, 0].tolist())
+            self.fields = {
+                "batch_num": p.batch_num,
+                "local_rank": p.local_rank,
+                "parallel_mode": p.parallel_mode,
+                "device_number": p.device_number,
+            }
+
+    x, y = make_data()
+    model = make_model()
+    seen = Seen()
+    monitor = DistributedMonitor(every_n_steps=4)
+    recorder = RunRecorder(db=out / "runs.db", run_name="dist")
+    train = NumpySlicesDataset((x, y), shuffle=False).batch(4)
+    every_rank = [LossMonitor(8, all_ranks=True), TimeMonitor(all_ranks=True)]
+    history = model.train(
+        2, train, callbacks=[LossMonitor(4), recorder, monitor, seen, *every_rank]
+    )
+    xv, yv = make_data(30, seed=1)
+    result["main"] = {
+        "history": history.history,
+        "rows": seen.rows,
+        "fields": seen.fields,
+        "alerts": _alerts(monitor),
+        "last": monitor.last,
+        "eval": model.eval(NumpySlicesDataset((xv, yv)).batch(5)),
+        "run_id": recorder.run_id,
+    }
+    torch.save(_weights(model), out / f"main-rank{rank}.pt")
+
+    # Gradient accumulation: the batches that do not step skip the all-reduce (no_sync).
+    accumulating = make_model(accumulate_grad_batches=2)
+    accumulating.train(1, train)
+    torch.save(_weights(accumulating), out / f"accumulate-rank{rank}.pt")
+
+    # 2. A DataLoader without a DistributedSampler: one warning per process.
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_model().train(1, loader)
+        make_model().train(1, loader)
+    result["loader_warnings"] = sum("DistributedSampler" in str(w.message) for w in caught)
+
+    # 3. EarlyStopping decides on the cross-rank epoch loss: the same epoch on every rank.
+    torch.manual_seed(rank)  # the ranks' own generators differ; the shuffle must not care
+    stopper = EarlyStopping(monitor="loss", min_delta=0.02, patience=1)
+    shuffled = NumpySlicesDataset((x, y), shuffle=True).batch(4)
+    history = make_model(lr=0.05).train(30, shuffled, callbacks=[stopper])
+    result["early"] = {"stopped_epoch": stopper.stopped_epoch, "history": history.history}
+
+    # 4. Rank 0 saves checkpoints; both ranks resume from its file.
+    ckpt = out / "ckpt"
+    saver = ModelCheckpoint("ck", ckpt, CheckpointConfig(save_checkpoint_steps=8))
+    full = make_model()
+    torch.manual_seed(0)
+    full.train(4, shuffled, callbacks=[saver])
+    torch.save(_weights(full), out / f"full-rank{rank}.pt")
+    resumed = make_model(seed=5)
+    again = ModelCheckpoint("ck", ckpt, CheckpointConfig(save_checkpoint_steps=8))
+    resumed.train(4, shuffled, callbacks=[again], resume_from=ckpt / "ck-2_8.pt")
+    torch.save(_weights(resumed), out / f"resumed-rank{rank}.pt")
+    result["ckpt"] = {"latest": saver.latest_ckpt_file_name}
+
+    # 5. A straggler (rank 1 sleeps before each step) and a replica knocked out of step.
+    class Slow(Callback):
+        def on_train_step_begin(self, run_context: Any) -> None:
+            if rank == 1:
+                time.sleep(0.04)
+
+        def on_train_step_end(self, run_context: Any) -> None:
+            p = run_context.cb_params
+            if rank == 1 and p.cur_step_num == 2:
+                with torch.no_grad():
+                    next(p.network.parameters()).add_(0.5)
+
+    monitor = DistributedMonitor(every_n_steps=4)
+    recorder = RunRecorder(db=out / "alerts.db", run_name="alerts")
+    make_model().train(1, train, callbacks=[Slow(), monitor, recorder])
+    result["alerts"] = _alerts(monitor)
+    result["alerts_run_id"] = recorder.run_id
+    return result
+
+
+def scenario_raise(out: Path, rank: int) -> dict[str, Any]:
+    from stepwatch import Callback, NumpySlicesDataset
+
+    class Boom(Callback):
+        def on_train_step_begin(self, run_context: Any) -> None:
+            if rank == 1 and run_context.cb_params.cur_step_num == 3:
+                raise RuntimeError("rank 1 fails on purpose")
+
+    x, y = make_data()
+    make_model().train(1000, NumpySlicesDataset((x, y)).batch(4), callbacks=[Boom()])
+    return {}
+
+
+def main() -> int:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    try:
+        result = {"main": scenario_main, "raise": scenario_raise}[scenario](out, rank)
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

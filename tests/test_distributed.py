@@ -1,0 +1,326 @@
+"""Data-parallel training on two real processes (gloo on the CPU): one coherent run.
+
+Each two-process run is started once per module (``tests/_dist_worker.py``) with a deadline;
+the process group is torn down by every rank, and no process outlives its test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stepwatch import NumpySlicesDataset, Store
+from stepwatch.distributed import all_gather_rows, broadcast_int, rank_and_world, sum_across
+
+from ._dist_worker import make_data, make_model
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(scenario: str, out: Path) -> list[subprocess.Popen[str]]:
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(out)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for every rank (killing all of them at the deadline); (returncode, out, err)."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            results.append((proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("dist")
+    ranks = _finish(_launch("main", out), timeout=90)
+    for rank, (code, _, err) in enumerate(ranks):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return {
+        "out": out,
+        "stdout": [r[1] for r in ranks],
+        "results": [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)],
+        "weights": {
+            name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(2)]
+            for name in ("main", "full", "resumed", "accumulate")
+        },
+    }
+
+
+def _allclose(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], **tol) for k in a)
+
+
+def test_rank_zero_prints_each_loss_line_once(run: dict[str, Any]) -> None:
+    lines = [line for line in run["stdout"][0].splitlines() if line.startswith("epoch:")]
+    assert [line.split(",")[0] for line in lines] == [
+        "epoch: 1 step: 4",
+        "epoch: 1 step: 8",
+        "epoch: 2 step: 4",
+        "epoch: 2 step: 8",
+    ]
+    assert "\nepoch:" not in "\n" + run["stdout"][1]
+
+
+def test_every_rank_prints_when_asked_prefixed_with_its_rank(run: dict[str, Any]) -> None:
+    for rank, stdout in enumerate(run["stdout"]):
+        mine = [line for line in stdout.splitlines() if line.startswith("[rank")]
+        assert all(line.startswith(f"[rank {rank}] ") for line in mine)
+        assert [line.split(",")[0] for line in mine if "loss is" in line] == [
+            f"[rank {rank}] epoch: 1 step: 8",
+            f"[rank {rank}] epoch: 2 step: 8",
+        ]
+        assert sum("Train epoch time" in line for line in mine) == 2
+
+
+def test_each_rank_trains_a_disjoint_half(run: dict[str, Any]) -> None:
+    x, _ = make_data()
+    halves = [r["main"]["rows"] for r in run["results"]]
+    epoch_one = [set(h[:32]) for h in halves]  # 8 steps of 4 rows per rank and epoch
+    assert all(len(h) == 32 for h in epoch_one)
+    assert not epoch_one[0] & epoch_one[1]
+    assert epoch_one[0] | epoch_one[1] == set(x[:, 0].tolist())
+    for rank, result in enumerate(run["results"]):
+        assert result["main"]["fields"] == {
+            "batch_num": 8,
+            "local_rank": rank,
+            "parallel_mode": "data_parallel",
+            "device_number": 2,
+        }
+
+
+def test_gradients_are_averaged_as_one_global_batch(run: dict[str, Any]) -> None:
+    main = run["weights"]["main"]
+    assert _allclose(main[0], main[1], rtol=0, atol=0)  # replicas stay identical
+    # One process with the global batch (8 rows: rank 0's 4 and rank 1's 4) ends the same.
+    x, y = make_data()
+    single = make_model()
+    history = single.train(2, NumpySlicesDataset((x, y)).batch(8))
+    assert _allclose(main[0], single.train_network.state_dict(), atol=1e-6)
+    # The epoch loss and training metrics are the cross-rank values, the same on every rank.
+    dist_history = [r["main"]["history"] for r in run["results"]]
+    assert dist_history[0]["loss"] == dist_history[1]["loss"]
+    assert dist_history[0]["loss"] == pytest.approx(history.history["loss"], rel=1e-5)
+    assert dist_history[0]["train_accuracy"] == history.history["train_accuracy"]
+
+
+def test_accumulation_matches_one_process_with_the_global_batch(run: dict[str, Any]) -> None:
+    accumulated = run["weights"]["accumulate"]
+    assert _allclose(accumulated[0], accumulated[1], rtol=0, atol=0)
+    x, y = make_data()
+    single = make_model(accumulate_grad_batches=2)
+    single.train(1, NumpySlicesDataset((x, y)).batch(8))
+    assert _allclose(accumulated[0], single.train_network.state_dict(), atol=1e-6)
+
+
+def test_the_store_holds_one_run_with_the_reduced_loss(run: dict[str, Any]) -> None:
+    store = Store(run["out"] / "runs.db")
+    runs = store.runs()
+    assert len(runs) == 1 and runs[0].name == "dist"
+    assert run["results"][1]["main"]["run_id"] is None  # rank 1 never opened the store
+    _, epoch_loss = store.metrics(runs[0].id, "loss")
+    assert epoch_loss.tolist() == pytest.approx(run["results"][0]["main"]["history"]["loss"])
+    keys = set(store.keys(runs[0].id))
+    assert {"dist/loss_mean", "dist/loss_max", "dist/step_time_max", "dist/data_time_min"} <= keys
+
+
+def test_eval_returns_the_global_metrics_on_every_rank(run: dict[str, Any]) -> None:
+    # 30 rows: 15 per rank, reduced in one collective, equal to one process over all 30.
+    single = make_model()
+    single.train_network.load_state_dict(run["weights"]["main"][0])
+    xv, yv = make_data(30, seed=1)
+    expected = single.eval(NumpySlicesDataset((xv, yv)).batch(5))
+    for result in run["results"]:
+        assert result["main"]["eval"]["accuracy"] == pytest.approx(expected["accuracy"])
+        assert result["main"]["eval"]["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+
+
+def test_a_dataloader_without_distributed_sampler_warns_once(run: dict[str, Any]) -> None:
+    assert [r["loader_warnings"] for r in run["results"]] == [1, 1]
+
+
+def test_early_stopping_stops_every_rank_at_the_same_epoch(run: dict[str, Any]) -> None:
+    early = [r["early"] for r in run["results"]]
+    assert early[0]["stopped_epoch"] == early[1]["stopped_epoch"] > 0
+    assert early[0]["stopped_epoch"] < 30
+    assert early[0]["history"]["loss"] == early[1]["history"]["loss"]
+
+
+def test_rank_zero_checkpoint_resumes_on_two_ranks(run: dict[str, Any]) -> None:
+    latest = [r["ckpt"]["latest"] for r in run["results"]]
+    assert latest[0] is not None and latest[0].endswith("ck-4_8.pt")
+    assert latest[1] is None  # only rank 0 wrote
+    files = sorted(p.name for p in (run["out"] / "ckpt").glob("ck-*.pt"))
+    assert "ck-2_8.pt" in files
+    full, resumed = run["weights"]["full"], run["weights"]["resumed"]
+    assert _allclose(resumed[0], resumed[1], rtol=0, atol=0)
+    # Resumed at epoch 2 with the shuffled shares replayed: the same as the uninterrupted run.
+    assert _allclose(resumed[0], full[0], atol=1e-6)
+
+
+def test_no_alert_on_a_healthy_run(run: dict[str, Any]) -> None:
+    for result in run["results"]:
+        assert result["main"]["alerts"] == []
+        last = result["main"]["last"]
+        assert last["loss_min"] <= last["loss_mean"] <= last["loss_max"]
+
+
+def test_straggler_and_desync_are_reported(run: dict[str, Any]) -> None:
+    for result in run["results"]:
+        kinds = {(step, kind) for step, kind, _ in result["alerts"]}
+        assert kinds == {(4, "straggler"), (4, "desync"), (8, "straggler"), (8, "desync")}
+        straggler = next(m for _, kind, m in result["alerts"] if kind == "straggler")
+        assert straggler.startswith("rank 1 is a straggler")
+    store = Store(run["out"] / "alerts.db")
+    events = store.events(run["results"][0]["alerts_run_id"])
+    alerts = [e for e in events if e["kind"] == "alert"]
+    assert len(alerts) == 4
+
+
+def test_a_rank_that_raises_makes_the_other_fail_fast(tmp_path: Path) -> None:
+    procs = _launch("raise", tmp_path)
+    start = time.monotonic()
+    (code0, _, _), (code1, _, err1) = _finish(procs, timeout=60)
+    elapsed = time.monotonic() - start
+    assert code1 != 0 and "rank 1 fails on purpose" in err1
+    assert code0 != 0, "rank 0 should have failed with its peer"
+    # Far below the process group's 30 s timeout: the failing rank tore the group down.
+    assert elapsed < 25, f"rank 0 took {elapsed:.1f} s to fail"
+
+
+def test_collectives_are_identities_in_one_process() -> None:
+    assert rank_and_world() == (0, 1)
+    summed = sum_across([torch.tensor([1.0, 2.0]), 3, 0.5])
+    assert [t.tolist() for t in summed] == [[1.0, 2.0], 3.0, 0.5]
+    assert all_gather_rows([1.0, torch.tensor(2.0)]).tolist() == [[1.0, 2.0]]
+    assert broadcast_int(7) == 7
+
+
+def test_demo_runs_on_two_processes(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    args = ["demo", "--nproc", "2", "--epochs", "2", "--db", "d.db", "--checkpoint-dir", "ck"]
+    done = subprocess.run(
+        [sys.executable, "-m", "stepwatch", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "2 processes" in out
+    assert out.count("Eval result: epoch 2") == 1  # rank 0 prints, once
+    accuracy = float(out.split("validation accuracy: ")[1].split()[0])
+    assert accuracy > 0.8
+    runs = Store(tmp_path / "d.db").runs()
+    assert [r.status for r in runs] == ["finished"]  # one run, recorded by rank 0
+    assert len(list((tmp_path / "ck").glob("digits-*.pt"))) == 1
+
+
+def test_rank_shares_are_disjoint_padded_and_reshuffled_per_epoch() -> None:
+    x = torch.arange(10.0).reshape(10, 1)
+    ds = NumpySlicesDataset((x, torch.zeros(10)), shuffle=True).batch(2)
+    shares = [ds.for_rank(rank, 3, seed=7) for rank in range(3)]
+    assert [s.num_rows for s in shares] == [4, 4, 4]  # 10 rows padded to 12
+    assert [s.get_dataset_size() for s in shares] == [2, 2, 2]
+    epoch_one = [torch.cat([b[0] for b in s]).flatten().tolist() for s in shares]
+    rows = sorted(v for share in epoch_one for v in share)
+    assert set(rows) == set(range(10)) and len(rows) == 12  # two rows repeated as padding
+    epoch_two = [torch.cat([b[0] for b in s]).flatten().tolist() for s in shares]
+    assert epoch_two != epoch_one  # reshuffled, the same way on every rank
+    # Without padding (evaluation), the shares are exact: 4 + 3 + 3 rows.
+    exact = [ds.for_rank(rank, 3, seed=7, pad=False).num_rows for rank in range(3)]
+    assert exact == [4, 3, 3]
+
+
+def test_distributed_monitor_in_one_process_summarises_without_alerts() -> None:
+    from stepwatch import DistributedMonitor
+
+    monitor = DistributedMonitor(every_n_steps=2)
+    x, y = make_data(32)
+    make_model().train(1, NumpySlicesDataset((x, y)).batch(8), callbacks=[monitor])
+    assert monitor.alerts == []
+    assert set(monitor.last) == {
+        f"{name}_{stat}"
+        for name in ("loss", "step_time", "data_time")
+        for stat in ("mean", "min", "max")
+    }
+    assert monitor.last["loss_min"] == monitor.last["loss_max"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"every_n_steps": 0}, ValueError, "every_n_steps"),
+        ({"straggler_factor": 1.0}, ValueError, "straggler_factor"),
+        ({"desync_tolerance": -1.0}, ValueError, "desync_tolerance"),
+        ({"loss_tolerance": "x"}, TypeError, "loss_tolerance"),
+    ],
+)
+def test_distributed_monitor_checks_its_arguments(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    from stepwatch import DistributedMonitor
+
+    with pytest.raises(error, match=match):
+        DistributedMonitor(**kwargs)
+
+
+def test_all_ranks_must_be_a_bool() -> None:
+    from stepwatch import LossMonitor, TimeMonitor
+
+    with pytest.raises(TypeError, match="all_ranks"):
+        LossMonitor(1, all_ranks=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="all_ranks"):
+        TimeMonitor(all_ranks="yes")  # type: ignore[arg-type]
