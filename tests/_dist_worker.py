@@ -178,12 +178,41 @@ def scenario_raise(out: Path, rank: int) -> dict[str, Any]:
     return {}
 
 
+def scenario_anomaly(out: Path, rank: int) -> dict[str, Any]:
+    """A NaN on rank 1 only: AnomalyMonitor sees the cross-rank mean and stops every rank."""
+    from stepwatch import AnomalyMonitor, Callback, NumpySlicesDataset
+
+    ended: dict[str, Any] = {}
+
+    class Poison(Callback):
+        def on_train_step_begin(self, run_context: Any) -> None:
+            p = run_context.cb_params
+            if rank == 1 and p.cur_step_num == 30:
+                net = getattr(p.train_network, "module", p.train_network)
+                with torch.no_grad():
+                    net[0].weight[0, 0] = float("nan")
+
+    class End(Callback):
+        def on_train_end(self, run_context: Any) -> None:
+            ended.update(kind=run_context.stop_kind, step=run_context.cb_params.cur_step_num)
+
+    x, y = make_data(256)
+    monitor = AnomalyMonitor(action={"nonfinite": "stop"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the epoch's NaN loss warns
+        make_model().train(
+            20, NumpySlicesDataset((x, y)).batch(4), callbacks=[Poison(), monitor, End()]
+        )
+    return {"alerts": _alerts(monitor), **ended}
+
+
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     try:
-        result = {"main": scenario_main, "raise": scenario_raise}[scenario](out, rank)
+        scenarios = {"main": scenario_main, "raise": scenario_raise, "anomaly": scenario_anomaly}
+        result = scenarios[scenario](out, rank)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         if dist.is_initialized():

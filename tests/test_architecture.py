@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.model",),
     # The package faces re-export everything; only the top may import them.
     ("stepwatch.demo", "stepwatch.amp", "<faces>"),
-    ("stepwatch.cli", "stepwatch.__main__"),
+    ("stepwatch.cli", "stepwatch._cli_checks", "stepwatch.__main__"),
 ]
 MAX_LINES = 520
 

@@ -222,6 +222,16 @@ def test_straggler_and_desync_are_reported(run: dict[str, Any]) -> None:
     assert len(alerts) == 4
 
 
+def test_anomaly_monitor_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    ranks = _finish(_launch("anomaly", tmp_path), timeout=90)
+    for rank, (code, _, err) in enumerate(ranks):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert results[0]["kind"] == results[1]["kind"] == "anomaly"
+    assert results[0]["step"] == results[1]["step"] <= 30 + 8
+    assert results[0]["alerts"][0][:2] == results[1]["alerts"][0][:2] == [30, "nonfinite"]
+
+
 def test_a_rank_that_raises_makes_the_other_fail_fast(tmp_path: Path) -> None:
     procs = _launch("raise", tmp_path)
     start = time.monotonic()

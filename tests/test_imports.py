@@ -115,6 +115,7 @@ def test_package_faces_keep_their_names() -> None:
     assert _public(listed[2]) == {
         *stepwatch.monitor.__all__,
         "detectors",
+        "epoch_detectors",
         "layer_detectors",
         "ring",
         "schedule",

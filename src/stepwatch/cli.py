@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import _format as fmt
+from ._cli_checks import UsageError as _UsageError
+from ._cli_checks import check_demo_paths, check_device
 from ._version import __version__
 from .monitor.values import direction
 from .store._schema import STATUSES
@@ -31,10 +33,6 @@ LOSS_NOTE = (
     "loss (key 'step_loss') of a run with no epoch mean yet"
 )
 STEP_LOSS_NOTE = "* per-step loss: the run has no epoch-mean loss (yet)"
-
-
-class _UsageError(Exception):
-    """A user mistake reported as one line on stderr, exit status 2."""
 
 
 def _positive_int(text: str) -> int:
@@ -390,66 +388,10 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 # -- the demo --------------------------------------------------------------------------------
-def _check_can_create_in(folder: Path, what: str) -> None:
-    """The nearest existing folder at or above ``folder`` is one we can create files in."""
-    import tempfile
-
-    from ._validation import nearest_existing
-
-    base = nearest_existing(folder)
-    if not base.is_dir():
-        raise _UsageError(f"{what}: {base} is not a folder")
-    try:
-        with tempfile.TemporaryFile(dir=base):
-            pass
-    except OSError as exc:
-        raise _UsageError(f"{what}: cannot create files in {base} ({exc.strerror})") from None
-
-
-def _check_demo_paths(args: argparse.Namespace) -> None:
-    from .store._schema import resolve_path
-
-    db = resolve_path(args.db)
-    if db.exists() and not db.is_file():
-        raise _UsageError(f"--db {db} is not a file")
-    _check_can_create_in(db.parent, f"--db {db}")
-    checkpoints = Path(args.checkpoint_dir)
-    if checkpoints.exists() and not checkpoints.is_dir():
-        raise _UsageError(f"--checkpoint-dir {checkpoints} is a file; pass a folder")
-    _check_can_create_in(checkpoints, f"--checkpoint-dir {checkpoints}")
-
-
-def _check_device(text: str) -> None:
-    """The device string parses and that device is present (this imports torch)."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise _UsageError(
-            f"--device {text!r} is not a torch device (cpu, cuda, cuda:1, mps, ...)"
-        ) from None
-    if device.type == "cpu":
-        return
-    if device.type == "mps":
-        available, count = torch.backends.mps.is_available(), 1
-    else:
-        backend = getattr(torch, device.type, None)
-        is_available = getattr(backend, "is_available", None)
-        if is_available is None:
-            raise _UsageError(f"--device {text!r}: stepwatch cannot train on {device.type!r}")
-        available = bool(is_available())
-        count = int(getattr(backend, "device_count", lambda: 1)()) if available else 0
-    if not available:
-        raise _UsageError(f"--device {text!r}: no {device.type} device on this machine")
-    if device.index is not None and device.index >= count:
-        raise _UsageError(f"--device {text!r}: this machine has {count} {device.type} device(s)")
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    _check_demo_paths(args)
+    check_demo_paths(args)
     if args.device is not None:
-        _check_device(args.device)
+        check_device(args.device)
     from .demo import run_demo, run_demo_distributed
 
     launch = functools.partial(run_demo_distributed, args.nproc) if args.nproc > 1 else run_demo
