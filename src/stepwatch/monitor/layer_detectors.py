@@ -15,10 +15,13 @@ from ._detector import Alert, Detector, _check_fraction
 __all__ = ["DyingReLU", "GradVanishing"]
 
 
-def _per_layer(name: str, values: Any) -> np.ndarray:
+def _per_layer(name: str, values: Any) -> list[float]:
+    # plain floats: a network has tens of layers, where numpy's per-call cost dominates
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise TypeError(f"'{name}' must be a sequence of floats, one per layer, got {_got(values)}")
-    return np.asarray(values, dtype=np.float64).ravel()
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float64).ravel().tolist()
+    return [float(v) for v in values]
 
 
 class _PerLayer(Detector):
@@ -66,15 +69,16 @@ class GradVanishing(_PerLayer):
 
     def update(self, step: int, norms: Sequence[float], epoch: int | None = None) -> Alert | None:
         arr = _per_layer("norms", norms)
-        top = float(arr.max()) if arr.size else 0.0
+        top = max(arr) if arr else 0.0
         if not (math.isfinite(top) and top > 0.0):
             return None  # nothing to compare against; NonFinite covers NaN/Inf
-        small = np.flatnonzero((arr < self.ratio * top) & (arr > 0.0))
-        if not self._count(small.size > 0, step):
+        floor = self.ratio * top
+        small = [i for i, v in enumerate(arr) if 0.0 < v < floor]
+        if not self._count(bool(small), step):
             return None
-        first = int(small[0])
+        first = small[0]
         seen = (
-            f"gradients vanish: {small.size} layer(s) from {self._layer(first)} have norms under "
+            f"gradients vanish: {len(small)} layer(s) from {self._layer(first)} have norms under "
             f"{self.ratio:g}x the largest ({arr[first]:.3g} vs {top:.3g})"
         )
         return self._alert(self._first, epoch, seen, float(arr[first] / top))
@@ -103,13 +107,13 @@ class DyingReLU(_PerLayer):
         """``dead`` is a per-layer fraction in [0, 1], or a per-layer count with ``total``."""
         frac = _per_layer("dead", dead)
         if total is not None:
-            frac = frac / np.maximum(_per_layer("total", total), 1.0)
-        if frac.size and not (frac.min() >= 0.0 and frac.max() <= 1.0):
-            raise ValueError(f"dead fractions must be within [0, 1], but got {frac.tolist()}.")
-        layers = np.flatnonzero(frac >= self.threshold)
-        if not self._count(layers.size > 0, step):
+            frac = [d / max(t, 1.0) for d, t in zip(frac, _per_layer("total", total))]
+        if frac and not (min(frac) >= 0.0 and max(frac) <= 1.0):
+            raise ValueError(f"dead fractions must be within [0, 1], but got {frac}.")
+        layers = [i for i, v in enumerate(frac) if v >= self.threshold]
+        if not self._count(bool(layers), step):
             return None
-        first = int(layers[0])
+        first = layers[0]
         at = self._layer(first)
-        seen = f"dying ReLU: {layers.size} layer(s) from {at} have {frac[first]:.1%} dead"
+        seen = f"dying ReLU: {len(layers)} layer(s) from {at} have {frac[first]:.1%} dead"
         return self._alert(self._first, epoch, seen, float(frac[first]))

@@ -99,7 +99,7 @@ class AnomalyMonitor(Callback):
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
             samples is not seen).
         snapshot_dir: the folder for ``'snapshot'`` (default ``./anomaly_snapshots``).
-        grad_every_n_steps: optimizer steps between gradient measurements (default 20; the
+        grad_every_n_steps: optimizer steps between gradient measurements (default 25; the
             gradient detectors' patience counts measurements).
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
@@ -122,7 +122,7 @@ class AnomalyMonitor(Callback):
         every_n_steps: int = 1,
         snapshot_dir: str | Path | None = None,
         *,
-        grad_every_n_steps: int = 20,
+        grad_every_n_steps: int = 25,
         max_rollbacks: int = 3,
         rollback_every: int = 50,
         lr_factor: float = 0.5,
@@ -256,7 +256,9 @@ class AnomalyMonitor(Callback):
         parts = []
         if losses:
             try:
-                part = torch.stack(losses).detach().float().reshape(-1)
+                part = torch.stack(losses)  # the loop's losses: detached float32 scalars
+                if part.dim() != 1 or part.dtype != torch.float32 or part.requires_grad:
+                    part = part.detach().float().reshape(-1)
             except (TypeError, RuntimeError):  # not all tensors, or different shapes/devices
                 part = torch.tensor([_as_float(x) for x in losses], dtype=torch.float32)
             if self._world > 1:  # every rank decides on the same numbers: the mean over ranks
