@@ -95,21 +95,21 @@ class GradStats:
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
 
     def measure(self) -> torch.Tensor | None:
-        """``[global norm, norms..., live rows...]`` on the device (a live row has a non-zero
-        gradient somewhere), or None when some layer has no gradient yet."""
+        """``[norms..., live rows...]`` on the device (a live row has a non-zero gradient
+        somewhere), or None when some layer has no gradient yet."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or len(grads) < len(self.params):
             return None
-        norms = torch.stack(torch._foreach_norm(grads)).float()
-        live = torch.stack([g.reshape(r, -1).any(1).sum() for g, r in zip(grads, self.rows)])
-        total = torch.linalg.vector_norm(norms).reshape(1)
-        return torch.cat((total, norms, live.float()))
+        norms = torch.stack(torch._foreach_norm(grads))
+        live = [g.reshape(r, -1).any(1).sum(dtype=norms.dtype) for g, r in zip(grads, self.rows)]
+        return torch.cat((norms, torch.stack(live)))
 
     def split(self, values: Sequence[float]) -> tuple[float, list[float], list[float]]:
         """``(global norm, norms, dead fractions)`` from the measured values."""
         n = len(self.params)
-        dead = [1.0 - live / rows for live, rows in zip(values[n + 1 :], self.rows)]
-        return values[0], list(values[1 : n + 1]), dead
+        norms = list(values[:n])
+        dead = [1.0 - live / rows for live, rows in zip(values[n:], self.rows)]
+        return math.sqrt(sum(v * v for v in norms)), norms, dead
 
 
 def _clone(obj: Any) -> Any:
