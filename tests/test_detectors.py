@@ -471,7 +471,7 @@ def test_make_detectors_specs() -> None:
 def test_make_detectors_errors() -> None:
     with pytest.raises(ValueError, match="unknown detector kind 'nan'; known: 'nonfinite'"):
         make_detectors(["nan"])
-    with pytest.raises(TypeError, match="'spec' must be None, a list"):
+    with pytest.raises(TypeError, match="'detectors' must be None, a list"):
         make_detectors("spike")
     with pytest.raises(TypeError, match="detector kinds must be str"):
         make_detectors([Spike])

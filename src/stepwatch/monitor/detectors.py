@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
 import math
 from collections import deque
@@ -462,6 +464,15 @@ def _build(kind: Any, options: Any = None) -> Detector:
         raise TypeError(
             f"options for {kind!r} must be a dict or a {cls.__name__}, got {_got(options)}"
         )
+    known = [n for n in inspect.signature(cls).parameters if n != "self"]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            raise ValueError(
+                f"unknown option {name!r} for detector {kind!r}: it takes "
+                f"{', '.join(map(repr, known))}{hint}"
+            )
     return cls(**options)
 
 
@@ -480,6 +491,6 @@ def make_detectors(spec: Any = None) -> list[Detector]:
     if isinstance(spec, (list, tuple)):
         return [_build(kind) for kind in spec]
     raise TypeError(
-        "'spec' must be None, a list of detector kinds or a dict of kind -> options, "
+        "'detectors' must be None, a list of detector kinds or a dict of kind -> options, "
         f"but got {_got(spec)}; known kinds: {_KNOWN}."
     )
