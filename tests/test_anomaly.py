@@ -61,7 +61,7 @@ def test_bad_arguments_fail_at_construction(tmp_path: Any) -> None:
         AnomalyMonitor(every_n_steps=-1)
     with pytest.raises(ValueError, match="'window' must be an int >= 3"):
         AnomalyMonitor(detectors={"spike": {"window": -5}})
-    with pytest.raises(ValueError, match="unknown option 'windw' for detector 'spike'.*'window'"):
+    with pytest.raises(ValueError, match=r"unknown option 'windw' for detector 'spike'.*'window'"):
         AnomalyMonitor(detectors={"spike": {"windw": 50}})
     with pytest.raises(TypeError, match="'detectors' must be None, a list of detector kinds"):
         AnomalyMonitor(detectors="spike")
