@@ -33,6 +33,10 @@ Configurations:
   times a second, during the timed epoch, as it does in a long run; its cost shows here.
 * ``g rec+anomaly`` - ``d`` plus ``AnomalyMonitor()`` at its defaults: every step's loss
   read in batches of 8 and run through the detectors, gradient statistics every 10 steps.
+* ``h rec+progress`` - ``d`` plus ``ProgressBar`` writing to ``os.devnull`` (not a terminal:
+  its plain-line mode; the bar itself needs a terminal).
+* ``i rec+plot`` - ``d`` plus ``PlotMonitor`` (every 30 s: within a timed epoch it only
+  gathers values; the picture is drawn on its own thread).
 * ``e lightning`` - a ``lightning.pytorch.Trainer`` fitting one epoch of a LightningModule
   whose ``training_step`` calls ``self.log('loss', loss)``; timed from a Lightning callback
   (``on_train_epoch_start`` / ``on_train_epoch_end``), so ``fit`` setup is left out.
@@ -188,11 +192,12 @@ def stepwatch_callbacks_runner(work: Workload) -> EpochRunner:
 
 
 def stepwatch_recorder_runner(
-    work: Workload, flush_seconds: float = 1.0, anomaly: bool = False
+    work: Workload, flush_seconds: float = 1.0, extra: str | None = None
 ) -> EpochRunner:
     model = stepwatch_model(work)
     # Removed when the runner is dropped.
     folder = tempfile.TemporaryDirectory(prefix="stepwatch-bench-")
+    sink = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the runner
 
     def run() -> float:
         db = os.path.join(folder.name, "bench.db")
@@ -203,8 +208,12 @@ def stepwatch_recorder_runner(
             stepwatch.History(),
             stepwatch.RunRecorder(db=db, every_n_steps=1, flush_seconds=flush_seconds),
         ]
-        if anomaly:
+        if extra == "anomaly":
             callbacks.append(stepwatch.AnomalyMonitor())
+        elif extra == "progress":
+            callbacks.append(stepwatch.ProgressBar(file=sink))
+        elif extra == "plot":
+            callbacks.append(stepwatch.PlotMonitor(os.path.join(folder.name, "curves.png")))
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
@@ -217,7 +226,15 @@ def stepwatch_recorder_flushing_runner(work: Workload) -> EpochRunner:
 
 
 def stepwatch_anomaly_runner(work: Workload) -> EpochRunner:
-    return stepwatch_recorder_runner(work, anomaly=True)
+    return stepwatch_recorder_runner(work, extra="anomaly")
+
+
+def stepwatch_progress_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, extra="progress")
+
+
+def stepwatch_plot_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, extra="plot")
 
 
 class _Batches:
@@ -352,6 +369,8 @@ CONFIGS = [
     Config("d stepwatch+rec", "epoch hooks (callback)", stepwatch_recorder_runner),
     Config("d2 rec,flush0.1", "epoch hooks (callback)", stepwatch_recorder_flushing_runner),
     Config("g rec+anomaly", "epoch hooks (callback)", stepwatch_anomaly_runner),
+    Config("h rec+progress", "epoch hooks (callback)", stepwatch_progress_runner),
+    Config("i rec+plot", "epoch hooks (callback)", stepwatch_plot_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),
 ]
