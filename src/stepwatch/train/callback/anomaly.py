@@ -287,8 +287,10 @@ class AnomalyMonitor(Callback):
                 ready.synchronize()
             values = packed.tolist()
             alerts = self._detect(epoch, steps, grad_step, values, lrs)
+            rollbacks = self.rollbacks
             for alert in sorted(alerts, key=lambda a: a.step):
-                self._raise(alert, run_context)
+                # after a rollback, what the same batch still holds came from the undone steps
+                self._raise(alert, run_context, act=self.rollbacks == rollbacks)
 
     def _detect(
         self, epoch: int, steps: list[int], grad_step: int | None, values: list[float],
@@ -327,10 +329,13 @@ class AnomalyMonitor(Callback):
         return alerts
 
     # -- acting -----------------------------------------------------------------------------
-    def _raise(self, alert: Alert, run_context: RunContext) -> None:
+    def _raise(self, alert: Alert, run_context: RunContext, act: bool = True) -> None:
         self.alerts.append(alert)
         actions = self._kind_actions.get(alert.kind, self._default_actions)
-        done = [self._act(action, alert, run_context) for action in actions]
+        if act:
+            done = [self._act(action, alert, run_context) for action in actions]
+        else:
+            done = ["no action: its steps were rolled back"]
         did = "; ".join(d for d in done if d)
         self.outcomes.append(did)
         p = run_context.original_args()
@@ -339,7 +344,8 @@ class AnomalyMonitor(Callback):
         writer = _recorder_writer(p)
         if writer is not None:
             data = {"kind": alert.kind, "value": alert.value, "actions": done}
-            writer.event("alert", alert.message, alert.step, alert.epoch, "warning", data)
+            text = alert.message.removeprefix(f"step {alert.step}: ")  # the event has the step
+            writer.event("alert", text, alert.step, alert.epoch, "warning", data)
 
     def _act(self, action: str | Callable[..., Any], alert: Alert, run_context: RunContext) -> str:
         p = run_context.original_args()
