@@ -40,6 +40,12 @@ function fmtNumber(v) {
   return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(3) : Number(v.toPrecision(5)).toString();
 }
 
+// Axis ticks: short enough for the axis' 60 px (5e-4, not 5.000e-4).
+function fmtTick(v) {
+  const a = Math.abs(v);
+  return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(1) : Number(v.toPrecision(4)).toString();
+}
+
 function fmtDuration(s) {
   if (s === null || s === undefined) return "-";
   s = Math.round(s);
@@ -331,7 +337,7 @@ function makeChart(name, entries, div) {
     width: chartWidth(div),
     height: 260,
     scales: { x: { time: false }, y: state.logY ? { distr: 3 } : {} },
-    axes: [{ label: "step" }, { size: 60, values: (u, splits) => splits.map(fmtNumber) }],
+    axes: [{ label: "step" }, { size: 60, values: (u, splits) => splits.map(fmtTick) }],
     cursor: { drag: { x: true, y: false, setScale: false }, sync: { key: "steps" } },
     legend: { live: true },
     series: [{ label: "step" }, ...entries.map((e) => ({ label: e.label, spanGaps: true, ...e.style }))],
