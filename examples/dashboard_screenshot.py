@@ -2,8 +2,9 @@
 
     python examples/dashboard_screenshot.py STORE.db docs/dashboard.png
 
-STORE.db holds the demo runs (``stepwatch demo --db STORE.db --seed 0``, then ``--seed 1``);
-every run in it is selected, so the charts overlay them.
+STORE.db holds the demo runs (``stepwatch demo --db STORE.db --seed 0``, then
+``--seed 1 --inject spike``, whose alert is marked on the charts); every run in it is selected,
+so the charts overlay them, on a log y axis.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(db: str, out: str) -> None:
         driver.get(server.url)
         time.sleep(1.0)
         driver.find_element("css selector", "#select-all").click()
+        driver.find_element("css selector", "#log-y").click()  # a spike would flatten the rest
         time.sleep(3.0)  # the charts redraw and the runs' summaries arrive
         driver.save_screenshot(out)
         print(f"wrote {out}")

@@ -131,6 +131,14 @@ def test_dashboard_in_headless_chromium(browser: Any, tmp_path: Path) -> None:
             ".filter(n => n.includes('/api/runs/2/metrics/step_loss'));"
         )
         assert any("after=100" in url for url in asked), asked
+
+        # A log y axis redraws every chart without a script error.
+        browser.execute_script(
+            "window.__errors = []; window.addEventListener('error', e => __errors.push(e.message));"
+        )
+        browser.find_element("css selector", "#log-y").click()
+        wait_until(lambda: _chart(browser, "loss")["inked"] > 500)
+        assert browser.execute_script("return window.__errors;") == []
         ARTIFACT.parent.mkdir(exist_ok=True)
         assert browser.save_screenshot(str(ARTIFACT))
         print(f"screenshot: {ARTIFACT}")

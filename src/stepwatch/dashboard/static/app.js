@@ -42,6 +42,7 @@ function fmtNumber(v) {
 
 // Axis ticks: short enough for the axis' 60 px (5e-4, not 5.000e-4).
 function fmtTick(v) {
+  if (v === null || v === undefined) return ""; // a log axis leaves some ticks unlabelled
   const a = Math.abs(v);
   return a !== 0 && (a < 1e-3 || a >= 1e5) ? v.toExponential(1) : Number(v.toPrecision(4)).toString();
 }
