@@ -23,13 +23,15 @@ are not listed and are read by the exact path.
 
 from __future__ import annotations
 
+import functools
 import sqlite3
 from collections.abc import Sequence
+from itertools import chain, repeat
 from typing import Any
 
 __all__: list[str] = []
 
-WIDTHS = (64, 512, 4096, 32768)
+WIDTHS = (64, 512, 4096, 32768)  # powers of two, each a multiple of the one before
 
 # UPSERT (ON CONFLICT DO UPDATE) needs SQLite 3.24; an older library keeps no rollups.
 SUPPORTED = sqlite3.sqlite_version_info >= (3, 24, 0)
@@ -44,9 +46,8 @@ _MAX_WINS = (
     "excluded.max_value IS NOT NULL AND (max_value IS NULL OR excluded.max_value > max_value "
     "OR (excluded.max_value = max_value AND excluded.max_step < max_step))"
 )
-_UPSERT = f"""
-INSERT INTO rollups (run, key, width, bucket, n, min_step, min_value, max_step, max_value,
-    nan_step) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+_COLUMNS = "run, key, width, bucket, n, min_step, min_value, max_step, max_value, nan_step"
+_ON_CONFLICT = f"""
 ON CONFLICT (run, key, width, bucket) DO UPDATE SET
     n = n + excluded.n,
     min_step = CASE WHEN {_MIN_WINS} THEN excluded.min_step ELSE min_step END,
@@ -56,6 +57,29 @@ ON CONFLICT (run, key, width, bucket) DO UPDATE SET
     nan_step = CASE WHEN excluded.nan_step IS NOT NULL AND (nan_step IS NULL
         OR excluded.nan_step < nan_step) THEN excluded.nan_step ELSE nan_step END
 """
+_ROW_VALUES = 10
+
+
+@functools.cache
+def _upsert_sql(rows: int) -> str:
+    """The merge of ``rows`` rows in one statement (SQLite binds them all at once)."""
+    values = ", ".join(["(" + ", ".join("?" * _ROW_VALUES) + ")"] * rows)
+    return f"INSERT INTO rollups ({_COLUMNS}) VALUES {values}{_ON_CONFLICT}"
+
+
+def _upsert(conn: sqlite3.Connection, values: list[Any]) -> None:
+    """Merge rows given as one flat list, up to 64 per statement (a power of two)."""
+    limit = 999
+    if hasattr(conn, "getlimit"):
+        limit = conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    most = max(1, min(64, limit // _ROW_VALUES))
+    at, end = 0, len(values)
+    while at < end:
+        rows = min(most, (end - at) // _ROW_VALUES)
+        rows = 1 << (rows.bit_length() - 1)
+        stop = at + rows * _ROW_VALUES
+        conn.execute(_upsert_sql(rows), values[at:stop])
+        at = stop
 
 
 def mark_run(conn: sqlite3.Connection, run: int) -> None:
@@ -67,55 +91,85 @@ def mark_run(conn: sqlite3.Connection, run: int) -> None:
         )
 
 
-def update(conn: sqlite3.Connection, run: int, flat: Sequence[Any], columns: int) -> None:
+def update(conn: sqlite3.Connection, run: int, flat: list[Any], columns: int) -> None:
     """Merge the points in ``flat`` (rows of ``columns`` values: key, step, epoch, time, value,
     one after another) into the run's rollups. Call inside the transaction that inserts them."""
     if not SUPPORTED or not flat:
         return
-    if hasattr(conn, "getlimit") and conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) < 10:
+    if (
+        hasattr(conn, "getlimit")
+        and conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) < _ROW_VALUES
+    ):
         # An SQLite built to bind fewer than 10 parameters: this run is read from its points.
         conn.execute("DELETE FROM rollup_runs WHERE run = ?", (run,))
         conn.execute("DELETE FROM rollups WHERE run = ?", (run,))
         return
     import numpy as np
 
-    keys = np.array(flat[0::columns], dtype=np.int64)
+    key_column = flat[0::columns]
+    if key_column.count(key_column[0]) == len(key_column):  # one key: no conversion
+        keys = np.full(len(key_column), key_column[0], dtype=np.int64)
+    else:
+        keys = np.array(key_column, dtype=np.int64)
     steps = np.array(flat[1::columns], dtype=np.int64)
     values = np.array(flat[4::columns], dtype=np.float64)  # None (NULL) becomes NaN
-    order = np.lexsort((steps, keys))
-    keys, steps, values = keys[order], steps[order], values[order]
-    nan = np.isnan(values)
-    nan_steps = np.where(nan, steps, _BIG)
-    new_key = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-    rows: list[tuple[Any, ...]] = []
+    if (
+        len(steps) > 1
+        and not (
+            (keys[1:] > keys[:-1]) | ((keys[1:] == keys[:-1]) & (steps[1:] >= steps[:-1]))
+        ).all()
+    ):
+        order = np.lexsort((steps, keys))
+        keys, steps, values = keys[order], steps[order], values[order]
+    # The points are blocks of one step; each width's blocks are merged from the previous one's
+    # (they nest), so only the finest width reads every point.
+    level = (keys, steps, np.ones(len(steps), np.int64), steps, values, steps, values)
+    level += (np.where(np.isnan(values), steps, _BIG),)
+    rows: list[Any] = []
     for width in WIDTHS:
-        buckets = steps // width
-        change = np.union1d(new_key, np.flatnonzero(buckets[1:] != buckets[:-1]) + 1)
-        starts = np.concatenate(([0], change)).astype(np.intp)
-        counts = np.diff(np.append(starts, len(steps)))
-        vmin = np.fmin.reduceat(values, starts)  # NaN only where every value is NaN
-        vmax = np.fmax.reduceat(values, starts)
-        min_steps = np.minimum.reduceat(
-            np.where(values == np.repeat(vmin, counts), steps, _BIG), starts
-        )
-        max_steps = np.minimum.reduceat(
-            np.where(values == np.repeat(vmax, counts), steps, _BIG), starts
-        )
-        first_nan = np.minimum.reduceat(nan_steps, starts)
+        level = _merge(np, level, width)
+        key, first, n, min_step, vmin, max_step, vmax, nan_step = level
         rows.extend(
-            (run, key, width, bucket, n, lo_step, lo, hi_step, hi, nan_step)
-            for key, bucket, n, lo_step, lo, hi_step, hi, nan_step in zip(
-                keys[starts].tolist(),
-                buckets[starts].tolist(),
-                counts.tolist(),
-                _steps(min_steps),
-                vmin.tolist(),
-                _steps(max_steps),
-                vmax.tolist(),
-                _steps(first_nan),
+            chain.from_iterable(
+                zip(
+                    repeat(run),
+                    key.tolist(),
+                    repeat(width),
+                    (first >> (width.bit_length() - 1)).tolist(),
+                    n.tolist(),
+                    _steps(min_step),
+                    vmin.tolist(),
+                    _steps(max_step),
+                    vmax.tolist(),
+                    _steps(nan_step),
+                )
             )
         )
-    conn.executemany(_UPSERT, rows)
+    _upsert(conn, rows)
+
+
+def _merge(np: Any, level: tuple[Any, ...], width: int) -> tuple[Any, ...]:
+    """Blocks ``(key, first step, n, min step, min, max step, max, first NaN step)``, sorted by
+    key and first step, merged into blocks of ``width`` steps."""
+    key, first, n, min_step, vmin, max_step, vmax, nan_step = level
+    block = first >> (width.bit_length() - 1)  # widths are powers of two
+    breaks = np.flatnonzero((key[1:] != key[:-1]) | (block[1:] != block[:-1])) + 1
+    starts = np.concatenate(([0], breaks))
+    sizes = np.diff(np.append(starts, len(first)))
+    new_min = np.fmin.reduceat(vmin, starts)  # NaN only where every value is NaN
+    new_max = np.fmax.reduceat(vmax, starts)
+    hit_min = np.where(vmin == np.repeat(new_min, sizes), min_step, _BIG)
+    hit_max = np.where(vmax == np.repeat(new_max, sizes), max_step, _BIG)
+    return (
+        key[starts],
+        block[starts] * width,
+        np.add.reduceat(n, starts),
+        np.minimum.reduceat(hit_min, starts),  # the smaller step wins a tie
+        new_min,
+        np.minimum.reduceat(hit_max, starts),
+        new_max,
+        np.minimum.reduceat(nan_step, starts),
+    )
 
 
 def _steps(steps: Any) -> list[int | None]:
