@@ -123,8 +123,9 @@ def update(conn: sqlite3.Connection, run: int, flat: list[Any], columns: int) ->
         keys, steps, values = keys[order], steps[order], values[order]
     # The points are blocks of one step; each width's blocks are merged from the previous one's
     # (they nest), so only the finest width reads every point.
-    level = (keys, steps, np.ones(len(steps), np.int64), steps, values, steps, values)
-    level += (np.where(np.isnan(values), steps, _BIG),)
+    nan_steps = np.where(np.isnan(values), steps, _BIG)
+    level: tuple[Any, ...] = (keys, steps, np.ones(len(steps), np.int64))
+    level += (steps, values, steps, values, nan_steps)
     rows: list[Any] = []
     for width in WIDTHS:
         level = _merge(np, level, width)
