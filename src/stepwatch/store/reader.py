@@ -245,7 +245,9 @@ class Store:
             max_points: downsample to about this many points: the selected step range is cut
                 into ``max_points // 2`` buckets and each bucket keeps its minimum and its
                 maximum, so a one-step spike survives any downsampling (a bucket holding NaNs
-                keeps one NaN too).
+                keeps one NaN too). A run written with min/max rollups (every run this version
+                writes) is read from them, not point by point: the bucket edges then move up to
+                the next multiple of the rollup block (64 steps or more).
             start, end: only steps with ``start <= step <= end`` (either may be None).
             after: only steps ``> after``. To follow a live run, pass the last step you
                 have: ``metrics(run, key, after=steps[-1])`` returns just the new points
