@@ -44,8 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
-from itertools import chain
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,10 +115,10 @@ def run_tensorboard(folder: Path, n: int) -> Result:
 class _ExecutemanyWriter(RunWriter):
     """``RunWriter`` inserting one row per SQLite call, as ``executemany`` does."""
 
-    def _insert_points(self, run: int, parts: list[Iterable[tuple[Any, ...]]]) -> None:
+    def _insert_points(self, run: int, flat: list[Any]) -> None:
         self._conn.executemany(
             "INSERT INTO points (run, key, step, epoch, time, value) VALUES (?, ?, ?, ?, ?, ?)",
-            ((run, *row) for row in chain.from_iterable(parts)),
+            ((run, *row) for row in zip(*[iter(flat)] * 5)),
         )
 
 

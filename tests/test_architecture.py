@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.distributed",
         "stepwatch.store._schema",
         "stepwatch.store._runs",
+        "stepwatch.store._rollup",
         "stepwatch.store.reader",
         "stepwatch.store.export",
         "stepwatch.store.writer",

@@ -13,7 +13,10 @@ from .._validation import nearest_existing
 
 __all__: list[str] = []
 
-SCHEMA_VERSION = 1
+# 1: runs, keys, points, events. 2: adds the min/max rollups (``_rollup``): only tables are
+# added, so every version reads every file; a run written without rollups (not listed in
+# ``rollup_runs``) is read from its points.
+SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 30_000
 
 SCHEMA = """
@@ -52,6 +55,20 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS events_by_run ON events (run, id);
+CREATE TABLE IF NOT EXISTS rollup_runs (run INTEGER PRIMARY KEY, widths TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollups (
+    run INTEGER NOT NULL,
+    key INTEGER NOT NULL,
+    width INTEGER NOT NULL,
+    bucket INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    min_step INTEGER,
+    min_value REAL,
+    max_step INTEGER,
+    max_value REAL,
+    nan_step INTEGER,
+    PRIMARY KEY (run, key, width, bucket)
+) WITHOUT ROWID;
 """
 
 STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
@@ -130,7 +147,9 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
                 "BEGIN IMMEDIATE;"
                 + SCHEMA
                 + "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', "
-                + f"'{SCHEMA_VERSION}'); COMMIT;"
+                + f"'{SCHEMA_VERSION}'); UPDATE meta SET value = '{SCHEMA_VERSION}' "
+                + "WHERE key = 'schema_version' AND CAST(value AS INTEGER) < "
+                + f"{SCHEMA_VERSION}; COMMIT;"
             )
         except BaseException:
             if conn.in_transaction:

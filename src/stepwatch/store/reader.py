@@ -7,6 +7,7 @@ commands and a dashboard start in a fraction of a second.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sqlite3
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._validation import check_choice, check_int
+from . import _rollup
 from ._runs import (
     _LOSS_SQL,
     _RUN_COLUMNS,
@@ -243,7 +245,9 @@ class Store:
             max_points: downsample to about this many points: the selected step range is cut
                 into ``max_points // 2`` buckets and each bucket keeps its minimum and its
                 maximum, so a one-step spike survives any downsampling (a bucket holding NaNs
-                keeps one NaN too).
+                keeps one NaN too). A run written with min/max rollups (every run this version
+                writes) is read from them, not point by point: the bucket edges then move up to
+                the next multiple of the rollup block (64 steps or more).
             start, end: only steps with ``start <= step <= end`` (either may be None).
             after: only steps ``> after``. To follow a live run, pass the last step you
                 have: ``metrics(run, key, after=steps[-1])`` returns just the new points
@@ -269,28 +273,47 @@ class Store:
             rid = self.run(run).id
             key_row = conn.execute("SELECT id FROM keys WHERE name = ?", (key,)).fetchone()
             args = (rid, -1 if key_row is None else key_row[0], *params)
-            count, lo, hi = conn.execute(
-                f"SELECT COUNT(*), MIN(step), MAX(step) FROM points WHERE {where}", args
-            ).fetchone()
-            if count == 0:
-                if (
-                    key_row is None
-                    or conn.execute(
-                        "SELECT 1 FROM points WHERE run = ? AND key = ? LIMIT 1", args[:2]
-                    ).fetchone()
-                    is None
-                ):
-                    raise KeyError(f"run {rid} has no metric {key!r}; see Store.keys({rid})")
-                rows: list[Any] = []
-            elif max_points is None or count <= max_points:
-                rows = conn.execute(
-                    f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", args
-                ).fetchall()
+            everything = f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid"
+            if max_points is None:
+                rows = conn.execute(everything, args).fetchall()
             else:
-                rows = self._buckets(conn, where, args, max_points, lo, hi)
+                # Counted only up to max_points + 1: a long range is never scanned to decide.
+                (count,) = conn.execute(
+                    f"SELECT COUNT(*) FROM (SELECT 1 FROM points WHERE {where} LIMIT ?)",
+                    (*args, max_points + 1),
+                ).fetchone()
+                if count <= max_points:
+                    rows = conn.execute(everything, args).fetchall()
+                else:
+                    rows = self._downsample(conn, where, args, max_points)
+            if not rows and (
+                key_row is None
+                or conn.execute(
+                    "SELECT 1 FROM points WHERE run = ? AND key = ? LIMIT 1", args[:2]
+                ).fetchone()
+                is None
+            ):
+                raise KeyError(f"run {rid} has no metric {key!r}; see Store.keys({rid})")
         steps = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
         values = np.fromiter((_nan(r[1]) for r in rows), dtype=np.float64, count=len(rows))
         return steps, values
+
+    @classmethod
+    def _downsample(
+        cls, conn: sqlite3.Connection, where: str, args: tuple[Any, ...], max_points: int
+    ) -> list[Any]:
+        """Min/max per bucket: from the run's rollups when it has them and a bucket holds at
+        least one rollup block, else from every point (:meth:`_buckets`)."""
+        # Two single MIN/MAX queries: each is one index seek (together, one scan).
+        lo, hi = conn.execute(
+            f"SELECT (SELECT MIN(step) FROM points WHERE {where}), "
+            f"(SELECT MAX(step) FROM points WHERE {where})",
+            args * 2,
+        ).fetchone()
+        width = _rollup.pick_width(_rollup.widths_of(conn, args[0]), lo, hi, max_points)
+        if width is None:
+            return cls._buckets(conn, where, args, max_points, lo, hi)
+        return _rollup.downsample(conn, args[0], args[1], width, lo, hi, max_points)
 
     @staticmethod
     def _buckets(
@@ -300,34 +323,38 @@ class Store:
         max_points: int,
         lo: int,
         hi: int,
+        align: int = 1,
     ) -> list[Any]:
-        """The min/max rows of each step bucket: one small index-range query per bucket, which
-        reads each point once and needs no temporary B-tree (a GROUP BY over the whole range
-        is several times slower on a long run)."""
-        buckets = max(1, max_points // 2)
-        width = (hi - lo) // buckets + 1
+        """The min/max rows of each bucket of ``_rollup.bounds`` read from the points: one
+        small index-range query per bucket, which reads each point once and needs no temporary
+        B-tree (a GROUP BY over the whole range is several times slower on a long run)."""
+        edges = _rollup.bounds(lo, hi, max_points, align)
         # Numbered parameters, so that the range condition can appear twice.
         parts = where.split("?")
         numbered = "".join(f"{part}?{i + 1}" for i, part in enumerate(parts[:-1])) + parts[-1]
         n = len(args)
         in_bucket = f"{numbered} AND step BETWEEN ?{n + 1} AND ?{n + 2} AND value IS NOT NULL"
-        # SQLite returns the row holding the MIN/MAX for the bare 'step' column.
+        # SQLite returns the row holding the MIN/MAX for the bare 'step' column (the first
+        # such row in (step, rowid) order: the smaller step wins a tie).
         sql = (
             f"SELECT step, MIN(value) FROM points WHERE {in_bucket} "
             f"UNION ALL SELECT step, MAX(value) FROM points WHERE {in_bucket}"
         )
         rows: set[tuple[Any, ...]] = set()
-        for first in range(lo, hi + 1, width):
-            found = conn.execute(sql, (*args, first, first + width - 1)).fetchall()
+        for first, stop in itertools.pairwise(edges):
+            found = conn.execute(sql, (*args, first, stop - 1)).fetchall()
             rows.update(r for r in found if r[0] is not None)
         if conn.execute(
             f"SELECT 1 FROM points WHERE {where} AND value IS NULL LIMIT 1", args
         ).fetchone():
-            bucket = f"(step - {int(lo)}) / {int(width)}"
+            # The bucket of a step: how many inner edges its block start has reached.
+            base = lo // align * align
+            width = (hi - lo) // max(1, max_points // 2) + 1
+            block = f"((step - {int(base)}) / {int(align)} * {int(align)} + {int(base - lo)})"
             rows.update(
                 conn.execute(
                     f"SELECT MIN(step), NULL FROM points WHERE {where} AND value IS NULL "
-                    f"GROUP BY {bucket}",
+                    f"GROUP BY {block} / {int(width)}",
                     args,
                 ).fetchall()
             )
@@ -392,7 +419,7 @@ class Store:
 
 
 def delete_runs(path: str | os.PathLike[str] | None, runs: Sequence[int | str]) -> list[RunInfo]:
-    """Delete runs (their points, events and run rows) from the database at ``path``.
+    """Delete runs (their points, rollups, events and run rows) from the database at ``path``.
 
     All or nothing: if any run is unknown or still running (its process alive), nothing is
     deleted. The file does not shrink (SQLite reuses the space for new runs).
@@ -437,8 +464,16 @@ def delete_runs(path: str | os.PathLike[str] | None, runs: Sequence[int | str]) 
                     f"run {', '.join(live)} is still running; stop it first (a run whose "
                     "process is gone shows as crashed and can be deleted)"
                 )
-            for table, column in (("points", "run"), ("events", "run"), ("runs", "id")):
-                conn.execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", ids)
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            for table, column in (
+                ("points", "run"),
+                ("rollups", "run"),  # absent in a file written before rollups
+                ("rollup_runs", "run"),
+                ("events", "run"),
+                ("runs", "id"),
+            ):
+                if table in tables:
+                    conn.execute(f"DELETE FROM {table} WHERE {column} IN ({marks})", ids)
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:

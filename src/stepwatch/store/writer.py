@@ -35,6 +35,7 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
+from . import _rollup
 from ._schema import STATUSES, connect_for_writing, resolve_path
 
 if TYPE_CHECKING:
@@ -179,6 +180,7 @@ class RunWriter:
                 self._conn.execute(
                     "UPDATE runs SET name = ? WHERE id = ?", (f"run-{self.run_id}", self.run_id)
                 )
+            _rollup.mark_run(self._conn, self.run_id)
         self.name = name or f"run-{self.run_id}"
         self.dropped = 0
         self.written = 0
@@ -388,10 +390,12 @@ class RunWriter:
                 (run, e.step, e.epoch, e.time, e.kind, e.level, e.message, _json(e.data))
                 for e in events
             ]
+            flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
             self._conn.execute("BEGIN IMMEDIATE")
             try:
                 if count:
-                    self._insert_points(run, parts)
+                    self._insert_points(run, flat)
+                    _rollup.update(self._conn, run, flat, _COLUMNS)
                 if event_rows:
                     self._conn.executemany(_INSERT_EVENTS, event_rows)
                 self._conn.execute("UPDATE runs SET heartbeat = ? WHERE id = ?", (time.time(), run))
@@ -405,12 +409,12 @@ class RunWriter:
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in items)
             self._report_disk_error(exc, lost)
 
-    def _insert_points(self, run: int, parts: list[Iterable[tuple[Any, ...]]]) -> None:
-        """Insert the rows, up to 256 per statement: the interpreter lock is taken once to
-        bind them and released while SQLite inserts them all. ``executemany`` releases and
-        retakes it around every row; written during training, that cost the training thread
-        about 4x the CPU time per point (bench/logging_throughput.py)."""
-        flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
+    def _insert_points(self, run: int, flat: list[Any]) -> None:
+        """Insert the rows (``_COLUMNS`` values each, one after another in ``flat``), up to 256
+        per statement: the interpreter lock is taken once to bind them and released while
+        SQLite inserts them all. ``executemany`` releases and retakes it around every row;
+        written during training, that cost the training thread about 4x the CPU time per
+        point (bench/logging_throughput.py)."""
         execute, at, end = self._conn.execute, 0, len(flat)
         while at < end:
             rows = min(self._rows_per_insert, (end - at) // _COLUMNS)
