@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 
 import stepwatch
+from stepwatch.distributed import shutdown
 
 BATCH_SIZE = 32
 IN_FEATURES = 32
@@ -175,9 +176,11 @@ def worker(rounds: int, steps: int, db: Path) -> None:
                 print(f"  {label} done", file=sys.stderr, flush=True)
         if rank == 0:
             report(ratios, rates)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
+    shutdown()  # every rank leaves together
 
 
 def report(ratios: dict[str, list[float]], rates: dict[str, list[float]]) -> None:

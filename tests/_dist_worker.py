@@ -207,6 +207,8 @@ def scenario_anomaly(out: Path, rank: int) -> dict[str, Any]:
 
 
 def main() -> int:
+    from stepwatch.distributed import shutdown
+
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
@@ -214,6 +216,7 @@ def main() -> int:
         scenarios = {"main": scenario_main, "raise": scenario_raise, "anomaly": scenario_anomaly}
         result = scenarios[scenario](out, rank)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
+        shutdown()  # every rank leaves together (a barrier, then the teardown)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .dataset import NumpySlicesDataset
-from .distributed import rank_and_world
+from .distributed import rank_and_world, shutdown
 from .store import RunRecorder
 from .train import (
     AnomalyMonitor,
@@ -229,8 +229,11 @@ def _demo_rank(kwargs: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         result = run_demo(**kwargs)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    shutdown()  # every rank leaves together
     metrics = {k: float(v) for k, v in result["metrics"].items()}
     db = result["db"]
     return {**result, "metrics": metrics, "history": None, "db": str(db) if db else None}

@@ -30,6 +30,7 @@ __all__ = [
     "is_distributed",
     "local_rank",
     "rank_and_world",
+    "shutdown",
     "sum_across",
     "wrap",
 ]
@@ -131,6 +132,17 @@ def broadcast_int(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=collective_device())
     torch.distributed.broadcast(t, src=0)
     return int(t.item())
+
+
+def shutdown() -> None:
+    """Leave the process group at the end of a run that went well: wait for every rank (one
+    barrier), then destroy the group. Ranks that tear gloo down while a peer is still
+    connected can abort at exit ('terminate called without an active exception'); leaving
+    together avoids it. Does nothing when no group is initialized."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def abort() -> None:
