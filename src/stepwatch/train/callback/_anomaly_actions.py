@@ -15,7 +15,7 @@ import torch
 from ..._validation import _got, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
 from ..resume import build_checkpoint
-from ..serialization import write_atomic
+from ..serialization import to_cpu, write_atomic
 
 __all__ = [
     "ACTIONS", "GradStats", "StateKeeper", "check_actions", "check_snapshot_dir", "reduce_lr",
@@ -112,17 +112,6 @@ class GradStats:
         return math.sqrt(sum(v * v for v in norms)), norms, dead
 
 
-def _clone(obj: Any) -> Any:
-    """A deep copy whose tensors are copied to the CPU (never aliases of live tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_clone(v) for v in obj)
-    return obj
-
-
 class StateKeeper:
     """Copies of the training state taken every ``every`` steps, for rollback: the newest two,
     so that one taken before an anomaly's onset is at hand when the anomaly is read a few
@@ -143,7 +132,7 @@ class StateKeeper:
             obj = cb_params.get(name)
             if obj is not None and hasattr(obj, "state_dict"):
                 state[name] = obj.state_dict()
-        self.states = [*self.states[-1:], (step, _clone(state))]
+        self.states = [*self.states[-1:], (step, to_cpu(state))]
 
     def restore_before(self, step: int, cb_params: Any) -> int | None:
         """Restore the newest state taken before ``step``; return its step (None if none).
