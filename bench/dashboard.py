@@ -40,12 +40,11 @@ from pathlib import Path
 
 import numpy as np
 
+from stepwatch.dashboard.headless import CHROMEDRIVER, CHROMIUM, chromium_flags
 from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.store import RunWriter
 
 STEPS = 1_000_000
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 
 
 def build_store(db: Path) -> None:
@@ -94,17 +93,7 @@ def first_chart(url: str) -> float:
     profile = tempfile.mkdtemp(prefix="stepwatch-bench-chromium-")
     options = Options()
     options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1400,1000",
-        f"--user-data-dir={profile}",
-    ):
+    for flag in chromium_flags(profile, "1400,1000"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     try:

@@ -18,6 +18,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
 from selenium.webdriver.chrome.service import Service
 
+from stepwatch.dashboard.headless import CHROMEDRIVER, CHROMIUM, chromium_flags
 from stepwatch.dashboard.server import make_server, serve_in_thread
 
 
@@ -26,20 +27,10 @@ def main(db: str, out: str) -> None:
     thread = serve_in_thread(server)
     profile = tempfile.mkdtemp(prefix="stepwatch-shot-")
     options = Options()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1500,1250",
-        f"--user-data-dir={profile}",
-    ):
+    options.binary_location = str(CHROMIUM)
+    for flag in chromium_flags(profile, "1500,1250"):
         options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     try:
         driver.get(server.url)
         time.sleep(1.0)

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.writer",
         "stepwatch.plotting",
         "stepwatch.dashboard.server",
+        "stepwatch.dashboard.headless",
     ),
     ("stepwatch.train.metrics", "stepwatch.train.serialization", "stepwatch.train.step"),
     ("stepwatch.train.resume", "stepwatch.train.checks"),

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 
+from stepwatch.dashboard.headless import CHROMEDRIVER, CHROMIUM, chromium_flags
 from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.store import RunWriter
 
 from .conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACT = ROOT / "artifacts" / "dashboard-browser-test.png"
 
 
@@ -47,17 +46,7 @@ def browser() -> Iterator[Any]:
     profile = tempfile.mkdtemp(prefix="stepwatch-chromium-")
     options = Options()
     options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1400,1100",
-        f"--user-data-dir={profile}",
-    ):
+    for flag in chromium_flags(profile, "1400,1100"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     driver.set_page_load_timeout(30)
