@@ -50,7 +50,7 @@ def check_actions(action: Any) -> tuple[tuple[ActionSpec, ...], dict[str, tuple[
     if isinstance(action, Mapping):
         per_kind = {}
         for kind, value in action.items():
-            if kind not in DETECTORS and kind not in ("straggler", "desync"):
+            if kind not in DETECTORS:
                 known = ", ".join(map(repr, DETECTORS))
                 raise ValueError(
                     f"'action' names an unknown detector kind {kind!r}; known: {known}."
