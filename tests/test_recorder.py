@@ -233,7 +233,7 @@ def test_every_n_seconds_records_a_subset_of_steps(tmp_path: Path) -> None:
 
 
 def test_losses_that_are_not_one_tensor_are_stacked_anyway() -> None:
-    from stepwatch.store.recorder import _stack
+    from stepwatch._tensor import stack_losses as _stack
 
     stacked = _stack([torch.tensor(1.0), 2.0, (torch.tensor([3.0]), "aux"), None, "x"])
     assert stacked.dtype == torch.float32

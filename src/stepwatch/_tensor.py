@@ -7,12 +7,13 @@ return plain ``torch.Tensor`` objects, so it adds no cost to the arithmetic user
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["Tensor"]
+__all__ = ["Tensor", "stack_losses"]
 
 
 class Tensor(torch.Tensor):
@@ -51,3 +52,27 @@ def as_stepwatch_tensor(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().as_subclass(Tensor)
     return value
+
+
+def stack_losses(losses: list[Any]) -> torch.Tensor:
+    """Step losses as one 1-D float32 tensor on their device (no host copy, no sync). The
+    loop's losses (detached float32 scalars) are only stacked; anything else is read one by
+    one (NaN where it is not a number)."""
+    try:
+        stacked = torch.stack(losses)
+    except (TypeError, RuntimeError):  # not all tensors, or of different shapes or devices
+        return torch.tensor([_loss_as_float(loss) for loss in losses], dtype=torch.float32)
+    if stacked.dim() != 1 or stacked.dtype != torch.float32 or stacked.requires_grad:
+        stacked = stacked.detach().float().reshape(-1)
+    return stacked
+
+
+def _loss_as_float(loss: Any) -> float:
+    if isinstance(loss, (tuple, list)) and loss:
+        loss = loss[0]
+    try:
+        if isinstance(loss, torch.Tensor):
+            return float(loss.detach().reshape(-1)[0])
+        return float(loss)
+    except (TypeError, ValueError, RuntimeError, IndexError):
+        return math.nan

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Mapping
@@ -12,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._tensor import stack_losses
 from .._validation import check_int, check_number
 from ..monitor import values as names
 from ..monitor.schedule import Every
@@ -44,26 +44,6 @@ def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
     keys = names.epoch_values(train, valid, validates=validates, aliases=False)
     found = {key: names.direction(key, declared) for key in keys}
     return {key: d for key, d in sorted(found.items()) if d is not None}
-
-
-def _stack(losses: list[Any]) -> torch.Tensor:
-    """The step losses as one float tensor, on their device (no host copy, no sync)."""
-    try:
-        return torch.stack(losses).detach().float()
-    except (TypeError, RuntimeError):  # not all tensors, or of different shapes or devices
-        return torch.tensor([_as_float(loss) for loss in losses], dtype=torch.float32)
-
-
-def _as_float(loss: Any) -> float:
-    """One loss as a float (NaN when it is not a number); reads a device tensor."""
-    if isinstance(loss, (tuple, list)) and loss:
-        loss = loss[0]
-    try:
-        if isinstance(loss, torch.Tensor):
-            return float(loss.detach().reshape(-1)[0])
-        return float(loss)
-    except (TypeError, ValueError, RuntimeError, IndexError):
-        return math.nan
 
 
 # When recording every step, the clock is read once per this many steps (to transfer at least
@@ -264,7 +244,7 @@ class RunRecorder(Callback):
         self._transfer_step = step
         if not losses:
             return
-        stacked = _stack(losses)
+        stacked = stack_losses(losses)
         ready = None
         if stacked.is_cuda:
             stacked = stacked.to("cpu", non_blocking=True)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..._tensor import stack_losses
 from ..._validation import check_int, check_number
 from ...distributed import rank_and_world, sum_across
 from ...monitor import values as names
@@ -255,12 +256,7 @@ class AnomalyMonitor(Callback):
         self._losses, self._steps, self._grad, self._lrs = [], [], None, []
         parts = []
         if losses:
-            try:
-                part = torch.stack(losses)  # the loop's losses: detached float32 scalars
-                if part.dim() != 1 or part.dtype != torch.float32 or part.requires_grad:
-                    part = part.detach().float().reshape(-1)
-            except (TypeError, RuntimeError):  # not all tensors, or different shapes/devices
-                part = torch.tensor([_as_float(x) for x in losses], dtype=torch.float32)
+            part = stack_losses(losses)
             if self._world > 1:  # every rank decides on the same numbers: the mean over ranks
                 part = sum_across([part])[0].float().to(part.device) / self._world
             parts.append(part)
@@ -404,13 +400,6 @@ class AnomalyMonitor(Callback):
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
     return next((d for d in detectors if isinstance(d, cls) and d.kind == cls.kind), None)
-
-
-def _as_float(value: Any) -> float:
-    try:
-        return float(value.reshape(-1)[0]) if isinstance(value, torch.Tensor) else float(value)
-    except (TypeError, ValueError, RuntimeError, IndexError):
-        return math.nan
 
 
 def _recorder_writer(p: Any) -> Any:
