@@ -23,7 +23,7 @@ from stepwatch.train.callback import (
     ReduceLROnPlateau,
     TimeMonitor,
 )
-from stepwatch.train.serialization import load_checkpoint
+from stepwatch.train.state import load_checkpoint
 
 from .conftest import make_batches, make_model
 

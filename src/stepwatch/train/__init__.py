@@ -34,7 +34,8 @@ from .metrics import (
     TopKCategoricalAccuracy,
 )
 from .model import Model
-from .serialization import load_checkpoint, save_checkpoint
+from .serialization import save_checkpoint
+from .state import load_checkpoint
 from .step import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
 
 __all__ = [

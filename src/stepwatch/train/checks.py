@@ -21,7 +21,7 @@ from torch import nn
 
 from ..dataset import NumpySlicesDataset, feed, move
 from ..distributed import is_distributed, local_rank
-from .resume import rng_state, set_rng_state
+from .state import rng_state, set_rng_state
 from .step import StepOptions, cast_floats
 
 __all__ = [

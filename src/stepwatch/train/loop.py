@@ -30,7 +30,8 @@ from .callback._callback import CallbackList, CallbackParams, RunContext
 from .evaluate import eval_in_fit
 from .parallel import epoch_results
 from .parts import LOSS_CHUNK, Parts, RunPlan, evaluate_metric, fold_losses, new_cb_params
-from .resume import find_resume_point, rng_state, set_rng_state, skip_then_restore
+from .resume import find_resume_point, skip_then_restore
+from .state import rng_state, set_rng_state
 from .step import cast_floats, found_inf
 
 __all__ = ["Parts", "RunPlan", "new_cb_params", "run", "train_epoch"]

@@ -13,83 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import torch
-
-from .serialization import FORMAT, VERSION, read_checkpoint, restore, to_cpu
+from .serialization import FORMAT, VERSION, read_checkpoint, to_cpu
+from .state import TrainingState, rng_state, set_rng_state
 
 __all__ = ["ResumePoint", "build_checkpoint", "find_resume_point", "rng_state", "set_rng_state"]
 
 logger = logging.getLogger("stepwatch")
-
-
-def data_generators(dataset: Any) -> list[torch.Generator]:
-    """The generators a DataLoader shuffles with: its own ``generator=`` and its sampler's."""
-    found: list[torch.Generator] = []
-    holders = (
-        dataset,
-        getattr(dataset, "sampler", None),
-        getattr(getattr(dataset, "batch_sampler", None), "sampler", None),
-    )
-    for holder in holders:
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
-
-
-def rng_state(dataset: Any = None) -> dict[str, Any]:
-    """Every random generator a training step may draw from: torch's, NumPy's, Python's,
-    CUDA's, and those of ``dataset`` (a DataLoader built with ``generator=``)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    version, internal, py_gauss = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        },
-        "python": [version, list(internal), py_gauss],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if dataset is not None:
-        generators = data_generators(dataset)
-        if generators:
-            state["data"] = [g.get_state() for g in generators]
-    return state
-
-
-def set_rng_state(state: dict[str, Any], dataset: Any = None) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state(
-        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
-    )
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    saved = state.get("data")
-    if dataset is not None and saved:
-        generators = data_generators(dataset)
-        if len(generators) != len(saved):
-            raise ValueError(
-                f"the checkpoint holds {len(saved)} data-loader generator states but this "
-                f"run's dataset has {len(generators)} generators: resume with a DataLoader "
-                "built the same way (the same generator= and sampler)."
-            )
-        for generator, generator_state in zip(generators, saved):
-            generator.set_state(generator_state)
 
 
 @dataclass
@@ -124,10 +58,6 @@ class ResumePoint:
     @property
     def callback_states(self) -> dict[str, Any]:
         return self.state.get("callbacks", {})
-
-
-def _state_of(obj: Any) -> dict[str, Any] | None:
-    return obj.state_dict() if obj is not None else None
 
 
 def find_resume_point(
@@ -192,7 +122,8 @@ def find_resume_point(
             f"'resume_from' checkpoint {str(resume_from)!r} is at epoch {state['epoch']}; "
             f"'epoch' must be larger than that to train more, but got {epoch}."
         )
-    restore(state, parts, resume_from)  # after the checks: a refused resume changes nothing
+    # After the checks: a refused resume changes nothing.
+    TrainingState.of(parts).restore(state, path=resume_from)
     if not skip or state.get("epoch_rng") is None:
         set_rng_state(state["rng"], dataset)
         skip = 0 if state.get("epoch_rng") is None else skip
@@ -227,8 +158,9 @@ def build_checkpoint(
     every tensor to the CPU, so the result can be written from another thread while training
     goes on changing the originals.
     """
-    net = network if network is not None else cb_params.network
-    optimizer = cb_params.optimizer
+    training = TrainingState.of(cb_params)
+    if network is not None:
+        training.network = network
     batch_num = int(cb_params.batch_num)
     progress = cb_params.progress
     # The last step whose update is done: a step that failed half-way is not counted.
@@ -237,8 +169,7 @@ def build_checkpoint(
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
-        "network": net.state_dict(),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        **training.capture(),
         # The epoch the step belongs to: a failure at an epoch's first step leaves the
         # previous epoch's last step as the last one done.
         "epoch": (step - 1) // batch_num + 1 if step else int(cb_params.cur_epoch_num),
@@ -248,12 +179,8 @@ def build_checkpoint(
         # Saved at an epoch end after a stop part-way through, the epoch is not complete: a
         # resumed run trains the rest of it.
         "epoch_complete": bool(epoch_complete) and step_in_epoch == batch_num,
-        "rng": rng_state(getattr(cb_params, "train_dataset", None)),
         "epoch_rng": progress.epoch_start_rng,
-        "callbacks": to_cpu(cb_params.list_callback.state_dicts()),
         "skipped_steps": int(progress.skipped_steps),
-        "lr_scheduler": _state_of(getattr(cb_params, "lr_scheduler", None)),
-        "loss_scaler": _state_of(getattr(cb_params, "loss_scaler", None)),
         "append_info": dict(append_info or {}),
         "saved_at": time.time(),
     }

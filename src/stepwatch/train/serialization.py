@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["load_checkpoint", "save_checkpoint"]
+__all__ = ["read_checkpoint", "save_checkpoint", "write_atomic"]
 
 FORMAT = "stepwatch-checkpoint"
 VERSION = 1
@@ -151,27 +150,6 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def restore(state: dict[str, Any], model: Any, path: Any, strict: bool = True) -> None:
-    """Load a checkpoint's weights (and optimizer state) into ``model``: a Model-like object
-    with ``train_network`` and ``optimizer``, or an ``nn.Module``. The optimizer is checked
-    first, so a mismatch changes nothing."""
-    from torch import nn
-
-    network = model if isinstance(model, nn.Module) else model.train_network
-    optimizer = None if isinstance(model, nn.Module) else model.optimizer
-    saved_optimizer = state.get("optimizer")
-    if optimizer is not None and saved_optimizer is not None:
-        check_optimizer_matches(path, saved_optimizer, optimizer)
-    network.load_state_dict(state["network"], strict=strict)
-    if optimizer is not None and saved_optimizer is not None:
-        optimizer.load_state_dict(saved_optimizer)
-    # A Model's LR schedule and loss scale continue where they were.
-    for name in ("lr_scheduler", "loss_scaler"):
-        target = getattr(model, name, None)
-        if target is not None and state.get(name) is not None:
-            target.load_state_dict(state[name])
-
-
 def check_optimizer_matches(path: Any, saved: dict[str, Any], optimizer: Any) -> None:
     """Raise ValueError when ``saved`` (an optimizer state_dict) is not of ``optimizer``'s kind.
 
@@ -208,39 +186,3 @@ def check_optimizer_matches(path: Any, saved: dict[str, Any], optimizer: Any) ->
 _OPTIONAL_GROUP_KEYS = frozenset(
     {"foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay"}
 )
-
-
-def load_checkpoint(
-    path: str | os.PathLike[str],
-    model: Any = None,
-    callbacks: Iterable[Any] | None = None,
-    strict: bool = True,
-) -> dict[str, Any]:
-    """Load a checkpoint; restore ``model``'s network and optimizer and the callbacks' state.
-
-    Args:
-        path: a file written by ``ModelCheckpoint``, ``BackupAndRestore`` or ``OnRequestExit``.
-        model: a :class:`stepwatch.Model` (its network and optimizer are restored) or an
-            ``nn.Module`` (its weights are restored), or None to only read the file.
-        callbacks: callbacks whose state to restore, matched by ``state_key``.
-        strict: passed to ``load_state_dict`` of the network.
-
-    Returns:
-        The checkpoint dict: ``network``, ``optimizer``, ``epoch``, ``step``,
-        ``step_in_epoch``, ``epoch_complete``, ``callbacks``, ``append_info``, ...
-
-    To resume training, pass the path to ``Model.train/fit(..., resume_from=path)`` instead:
-    that also restores the random generators and continues at the saved epoch and step.
-    """
-
-    state = read_checkpoint(path)
-    if model is not None:
-        restore(state, model, path, strict)
-    if callbacks is not None:
-        saved = state.get("callbacks", {})
-        for cb in callbacks:
-            # Only stateful callbacks have a saved state under their key.
-            key = getattr(cb, "state_key", None)
-            if key is not None and key in saved:
-                cb.load_state_dict(saved[key])
-    return state

@@ -15,7 +15,8 @@ import torch
 from ..._validation import _got, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
 from ..resume import build_checkpoint
-from ..serialization import to_cpu, write_atomic
+from ..serialization import write_atomic
+from ..state import TrainingState
 
 __all__ = [
     "ACTIONS", "GradStats", "StateKeeper", "check_actions", "check_snapshot_dir", "reduce_lr",
@@ -124,15 +125,8 @@ class StateKeeper:
     def maybe_keep(self, step: int, cb_params: Any) -> None:
         if step % self.every:
             return
-        state = {"network": cb_params.train_network.state_dict(), "optimizer": None}
-        optimizer = cb_params.optimizer
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        for name in ("lr_scheduler", "loss_scaler"):
-            obj = cb_params.get(name)
-            if obj is not None and hasattr(obj, "state_dict"):
-                state[name] = obj.state_dict()
-        self.states = [*self.states[-1:], (step, to_cpu(state))]
+        state = TrainingState.of(cb_params).capture(rng=False, callbacks=False, copy=True)
+        self.states = [*self.states[-1:], (step, state)]
 
     def restore_before(self, step: int, cb_params: Any) -> int | None:
         """Restore the newest state taken before ``step``; return its step (None if none).
@@ -141,12 +135,7 @@ class StateKeeper:
         if not self.states:
             return None
         at, state = self.states[-1]
-        cb_params.train_network.load_state_dict(state["network"])
-        if state["optimizer"] is not None:
-            cb_params.optimizer.load_state_dict(state["optimizer"])
-        for name in ("lr_scheduler", "loss_scaler"):
-            if name in state:
-                cb_params.get(name).load_state_dict(state[name])
+        TrainingState.of(cb_params).restore(state)
         return at
 
 
