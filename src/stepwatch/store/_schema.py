@@ -71,7 +71,8 @@ CREATE TABLE IF NOT EXISTS rollups (
 ) WITHOUT ROWID;
 """
 
-STATUSES = ("running", "finished", "failed", "interrupted", "crashed")
+# "anomaly": stopped by a monitor because training went wrong (a NaN loss, a divergence, ...).
+STATUSES = ("running", "finished", "failed", "interrupted", "crashed", "anomaly")
 
 
 def default_path() -> Path:

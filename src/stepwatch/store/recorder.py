@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._tensor import stack_losses
 from .._validation import check_int, check_number
 from ..monitor import values as names
 from ..monitor.schedule import Every
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from ..train.step import scale_tensor
+from ..view import Chunk, RunView, view_of
 from ._schema import check_writable_db, resolve_path
 from .writer import RunWriter
 
@@ -133,27 +133,19 @@ class RunRecorder(Callback):
         self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
         self.writer: RunWriter | None = None
         self.run_id: int | None = None
-        # The recorded steps' losses (device tensors) and, when sampling, their steps; when
-        # every step is recorded they are the steps after ``_first_step - 1``, in order.
-        self._losses: list[Any] = []
-        self._steps: list[int] = []
-        self._first_step = 1
-        self._clock_every = 1
-        self._check_at = 1  # the buffer length at which to look at the clock next
+        # The chunks of step losses (from the run's loss tap) not handed to the writer yet.
+        self._chunks: list[Chunk] = []
+        self._waiting = 0  # steps in those chunks
         self._last_transfer = 0.0
-        self._last_wall = 0.0
         self._transfer_step = 0
+        self._first_sampled = 0  # the sampling schedule counts from this step
         self._last_ckpt: str | None = None
         self._cb_params: CallbackParams | None = None
-        self._validates = False
+        self._view: RunView | None = None
         try:
             json.dumps(self.config)  # validate the config now rather than at step 1
         except (TypeError, ValueError) as exc:
             raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
-        if self._sample.steps == 1 and not self._sample.seconds:
-            # Recording every step needs no schedule: the hook is a bare append.
-            self.on_train_step_end = self._record_every_step  # type: ignore[method-assign]
-            self._clock_every = _CLOCK_EVERY
 
     # -- lifecycle ----------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
@@ -161,7 +153,7 @@ class RunRecorder(Callback):
         if p.rank_id != 0:
             self.writer = None
             return
-        validates = getattr(p, "valid_dataset", None) is not None
+        view = view_of(p)
         config = {
             "network": type(p.network).__name__,
             "optimizer": type(p.optimizer).__name__ if p.optimizer is not None else None,
@@ -171,64 +163,48 @@ class RunRecorder(Callback):
             "steps_per_epoch": p.batch_num,
             "device": str(p.device),
             "metrics": sorted(p.metrics),
-            "directions": _directions(p.metrics, validates),
+            "directions": _directions(p.metrics, view.validates),
             "callbacks": [type(cb).__name__ for cb in p.list_callback],
             "torch": torch.__version__,
             **self.config,
         }
+        if view.host != "stepwatch":
+            config["host"] = view.host
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
         self.run_id = self.writer.run_id
-        self._validates = validates
+        view.sink = self.writer  # the run's store: alerts and other monitors write here too
+        self._view = view
         self._sample.reset(p.cur_step_num)
-        self._losses, self._steps = [], []
-        self._first_step = p.cur_step_num + 1
-        self._check_at = min(self._clock_every, self.transfer_every)
-        self._last_transfer, self._last_wall = time.monotonic(), time.time()
+        self._first_sampled = p.cur_step_num
+        self._chunks, self._waiting = [], 0
+        self._last_transfer = time.monotonic()
         self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
+        # A look at the clock per chunk: the tap cuts one at least every 16 steps.
+        view.tap.subscribe(min(_CLOCK_EVERY, self.transfer_every), self._take)
 
-    def _record_every_step(self, run_context: RunContext) -> None:
-        """``on_train_step_end`` when every step is recorded: keep the loss tensor."""
-        losses = self._losses
-        losses.append(run_context.cb_params.loss_tensor)
-        if len(losses) >= self._check_at:
-            self._maybe_transfer(run_context.cb_params)
+    def _take(self, chunk: Chunk) -> None:
+        """A chunk of step losses from the tap: keep it; hand the kept ones to the writer when
+        ``transfer_every`` steps wait or the flush period has passed."""
+        self._chunks.append(chunk)
+        self._waiting += len(chunk)
+        if (
+            self._waiting >= self.transfer_every
+            or time.monotonic() - self._last_transfer >= self.flush_seconds
+        ):
+            self._transfer(chunk.steps[-1], chunk.epoch)
 
-    def on_train_step_end(self, run_context: RunContext) -> None:
-        """Keep the loss tensor of the steps the schedule picks."""
-        p = run_context.cb_params
-        step = p.cur_step_num
-        sample = self._sample
-        if step < sample.next_step or not sample.due(step):
+    def _transfer(self, step: int, epoch: int) -> None:
+        """Hand the waiting step losses to the writer (it reads them on its own thread, after
+        their host copy landed) with the interval's step time, learning rate and loss scale."""
+        writer, p = self.writer, self._cb_params
+        now = time.monotonic()
+        elapsed = now - self._last_transfer
+        self._last_transfer = now
+        chunks, self._chunks, self._waiting = self._chunks, [], 0
+        if writer is None or p is None:
             return
-        self._losses.append(p.loss_tensor)
-        self._steps.append(step)
-        if len(self._losses) >= self._check_at:
-            self._maybe_transfer(p)
-
-    def _maybe_transfer(self, p: CallbackParams) -> None:
-        """Transfer when ``transfer_every`` losses wait or the flush period has passed."""
-        n = len(self._losses)
-        if n >= self.transfer_every or time.monotonic() - self._last_transfer >= self.flush_seconds:
-            self._transfer(p)
-        else:
-            self._check_at = min(n + self._clock_every, self.transfer_every)
-
-    def _transfer(self, p: CallbackParams) -> None:
-        """One host copy for every step loss recorded since the last transfer."""
-        writer = self.writer
-        now, wall = time.monotonic(), time.time()
-        elapsed, start_wall = now - self._last_transfer, self._last_wall
-        self._last_transfer, self._last_wall = now, wall
-        losses, steps = self._losses, self._steps
-        self._losses, self._steps = [], []
-        first = self._first_step
-        self._first_step += len(losses)
-        self._check_at = min(self._clock_every, self.transfer_every)
-        if writer is None:
-            return
-        epoch, step = p.cur_epoch_num, p.cur_step_num
         if step > self._transfer_step:
             writer.log(names.STEP_TIME, elapsed / (step - self._transfer_step), step, epoch)
             if p.optimizer is not None:
@@ -241,33 +217,42 @@ class RunRecorder(Callback):
                 if isinstance(skipped, torch.Tensor):
                     skipped = skipped.detach().clone()
                 writer.log(names.SKIPPED_STEPS, skipped, step, epoch)
-        self._transfer_step = step
-        if not losses:
-            return
-        stacked = stack_losses(losses)
-        ready = None
-        if stacked.is_cuda:
-            stacked = stacked.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        # Every step recorded: the steps follow one another from the first one kept.
-        at = steps if steps else range(first, first + len(losses))
-        writer.log_batch(names.STEP_LOSS, at, stacked, epoch, ready=ready, span=(start_wall, wall))
+            self._transfer_step = step
+        sample = self._sample
+        every = sample.steps if not sample.seconds else 1
+        for chunk in chunks:
+            steps, values = chunk.steps, chunk.host
+            if sample.seconds:
+                # Sampling by time: the last step of each chunk that is due.
+                last = steps[-1]
+                if not sample.due(last):
+                    continue
+                steps, values = range(last, last + 1), values[-1:]  # type: ignore[index]
+            elif every > 1:
+                skip = (self._first_sampled - steps.start) % every
+                steps, values = steps[skip::every], values[skip::every]  # type: ignore[index]
+                if not steps:
+                    continue
+            writer.log_batch(
+                names.STEP_LOSS, steps, values, chunk.epoch, ready=chunk.ready, span=chunk.span
+            )
+
+    def _flush(self, p: CallbackParams) -> None:
+        """Hand over every step loss the tap holds (an epoch's end, the run's end)."""
+        view = self._view
+        if view is not None:
+            view.tap.cut()
+        self._transfer(p.cur_step_num, p.cur_epoch_num)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         writer = self.writer
         if writer is None:
             return
         p = run_context.cb_params
-        self._transfer(p)
+        self._flush(p)
         step, epoch = p.cur_step_num, p.cur_epoch_num
-        values = names.epoch_values(
-            getattr(p, "train_results", None),
-            getattr(p, "eval_results", None),
-            validates=self._validates,
-            aliases=False,
-        )
-        for key, value in values.items():
+        assert self._view is not None
+        for key, value in self._view.epoch_values(aliases=False).items():
             for sub, number in _scalars(key, value):
                 writer.log(sub, number, step, epoch)
         if p.latest_ckpt_file and p.latest_ckpt_file != self._last_ckpt:
@@ -285,11 +270,19 @@ class RunRecorder(Callback):
         if writer is None:
             return
         p = run_context.cb_params
-        self._transfer(p)
+        self._flush(p)
+        self._detach()
         if run_context.get_stop_requested():
             reason = run_context.stop_reason or "a callback requested a stop"
             writer.event("stop", f"training stopped: {reason}", p.cur_step_num, p.cur_epoch_num)
-        writer.close("interrupted" if run_context.interrupted else "finished")
+        writer.close(_final_status(run_context))
+
+    def _detach(self) -> None:
+        view, self._view = self._view, None
+        if view is not None:
+            view.tap.unsubscribe(self._take)
+            if view.sink is self.writer:
+                view.sink = None
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         writer = self.writer
@@ -297,9 +290,10 @@ class RunRecorder(Callback):
             return
         if self._cb_params is not None:
             try:
-                self._transfer(self._cb_params)  # the steps recorded before the failure
+                self._flush(self._cb_params)  # the steps recorded before the failure
             except Exception:  # the device may be what failed; keep what was written
                 pass
+        self._detach()
         if exc_type is None:
             writer.close("finished")
             return
@@ -316,3 +310,13 @@ class RunRecorder(Callback):
     def dropped(self) -> int:
         """Records dropped by the writer (full queue or failing disk)."""
         return self.writer.dropped if self.writer is not None else 0
+
+
+def _final_status(run_context: RunContext) -> str:
+    """The stored status of a run that ended normally: ``interrupted`` (stopped from outside,
+    to be resumed), ``anomaly`` (stopped because training went wrong) or ``finished``."""
+    if run_context.interrupted:
+        return "interrupted"
+    if run_context.stop_kind == "anomaly":
+        return "anomaly"
+    return "finished"

@@ -26,10 +26,11 @@ from ..dataset import (
     split_loss,
 )
 from ..distributed import rank_and_world
+from ..view import RunView, view_of
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .evaluate import eval_in_fit
 from .parallel import epoch_results
-from .parts import LOSS_CHUNK, Parts, RunPlan, evaluate_metric, fold_losses, new_cb_params
+from .parts import Parts, RunPlan, evaluate_metric, new_cb_params
 from .resume import find_resume_point, skip_then_restore
 from .state import rng_state, set_rng_state
 from .step import cast_floats, found_inf
@@ -66,6 +67,9 @@ def run(parts: Parts, plan: RunPlan) -> None:
     cb_params.train_dataset_element = None  # MindSpore has the field (None) before step 1
     if valid_dataset is not None:
         cb_params.valid_dataset = valid_dataset
+    cb_params.run_view = RunView(
+        cb_params, rank=rank, world=world, validates=valid_dataset is not None
+    )
     run_context = RunContext(cb_params)
     source = ContinuingBatches(train_dataset) if sinking else None
 
@@ -172,8 +176,9 @@ def train_epoch(
 
     Invariants the callbacks and checkpoints rely on:
 
-    * Nothing here reads a value back from the device per step: step losses are kept as
-      detached tensors and summed in chunks; the one host read is the epoch mean at the end.
+    * Nothing here reads a value back from the device per step: step losses go into the run
+      view's loss tap as detached tensors, which sums them in chunks (and hands the chunks to
+      the monitors that read them); the one host read is the epoch mean at the end.
       (The one exception, documented: with loss scaling and a per-step LR schedule, each
       optimizer step reads whether it was skipped, so a skipped step does not advance it.)
     * Gradients are zeroed at the *start* of a step (of an accumulation window), so step-end
@@ -221,9 +226,10 @@ def train_epoch(
     train_metrics = list(parts.train_metrics.values()) if loss_fn is not None else []
     for metric in train_metrics:
         metric.clear()
-    pending: list[torch.Tensor] = []
-    total: torch.Tensor | None = None
     first_step = step = cb_params.cur_step_num
+    tap = view_of(cb_params).tap
+    tap.begin_epoch(cb_params.cur_epoch_num, step + 1)
+    pending, interval = tap.pending, tap.interval
     progress = cb_params.progress
     perf_counter = time.perf_counter
     network.train()
@@ -307,8 +313,8 @@ def train_epoch(
                     )
             detached = loss.detach()
             pending.append(detached)
-            if len(pending) == LOSS_CHUNK:
-                total = fold_losses(total, pending)
+            if step % interval == 0:
+                tap.cut()
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)
@@ -341,7 +347,7 @@ def train_epoch(
         if not plain:
             cb_params.optimizer_stepped = stepping
             cb_params.grad_norm = grad_norm if stepping else None
-    total = fold_losses(total, pending)
+    total = tap.end_epoch()
     if cb_params.device_number > 1:
         return epoch_results(parts, total, steps)  # one collective: global loss and metrics
     results: dict[str, Any] = {}

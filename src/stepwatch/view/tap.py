@@ -1,0 +1,180 @@
+"""The loss tap: the one buffer of a run's step losses.
+
+Whatever trains pushes each step's loss tensor (detached, on its device) into the tap; every
+monitor that needs step losses (``History``, ``PlotMonitor``, ``RunRecorder``,
+``AnomalyMonitor``, ``ProgressBar``) reads them from here instead of keeping its own list.
+
+The tap cuts its buffer into :class:`Chunk` s at the shortest interval any subscriber asks for:
+one ``torch.stack`` per chunk, folded into the epoch's loss sum on the device, and, when
+somebody reads values, one copy to the host (non-blocking on CUDA, with an event that says when
+it has landed). Chunks are cut at multiples of the interval (step 8, 16, ... for an interval of
+8), so every rank of a distributed run cuts at the same steps even when one rank flushes early.
+A step with no chunk due costs a list append.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._tensor import stack_losses
+
+__all__ = ["DEFAULT_INTERVAL", "Chunk", "LossTap"]
+
+# With nobody reading step losses, the buffer is folded into the epoch sum every this many
+# steps: one stack and one add on the device per 256 steps.
+DEFAULT_INTERVAL = 256
+
+
+class Chunk:
+    """Consecutive steps' losses, cut from the tap in one piece.
+
+    Attributes:
+        steps: the global steps (a ``range``).
+        epoch: the epoch they belong to.
+        device: the losses as one 1-D float32 tensor on the training device.
+        host: the same on the CPU, possibly still being copied (see :meth:`is_ready`); None
+            when nobody reads values.
+        ready: the CUDA event recorded after the copy, or None (the copy is done).
+        span: ``(start, end)`` wall times of the chunk's steps.
+    """
+
+    __slots__ = ("device", "epoch", "host", "ready", "span", "steps")
+
+    def __init__(
+        self,
+        steps: range,
+        epoch: int,
+        device: torch.Tensor,
+        host: torch.Tensor | None,
+        ready: Any,
+        span: tuple[float, float],
+    ) -> None:
+        self.steps, self.epoch, self.device, self.host = steps, epoch, device, host
+        self.ready, self.span = ready, span
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def is_ready(self) -> bool:
+        """True when the host copy has landed (reading :meth:`values` will not wait)."""
+        return self.ready is None or bool(self.ready.query())
+
+    def values(self) -> list[float]:
+        """The losses as Python floats (waits for the host copy if it is still on its way)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        host = self.host if self.host is not None else self.device.cpu()
+        return host.tolist()
+
+    def __repr__(self) -> str:
+        return f"Chunk(steps={self.steps.start}..{self.steps.stop - 1}, epoch={self.epoch})"
+
+
+Subscriber = Callable[[Chunk], Any]
+
+
+class LossTap:
+    """The run's step losses, in one device buffer.
+
+    Args:
+        interval: the chunk interval with no subscriber (default 256).
+
+    The host side pushes with :meth:`push` (or a loop appends to :attr:`pending`, which stays
+    the same list, and calls :meth:`cut` when ``step % interval == 0``); monitors
+    :meth:`subscribe` with the interval they need and get every chunk handed to them as it is
+    cut.
+    """
+
+    def __init__(self, interval: int = DEFAULT_INTERVAL) -> None:
+        self._base = interval
+        self.interval = interval
+        self.pending: list[Any] = []
+        self.next_step = 1  # the global step of pending[0]
+        self.epoch = 0
+        self.total: torch.Tensor | None = None  # the epoch's loss sum so far, on the device
+        self.last: Any = None  # the newest loss cut into a chunk
+        self._subscribers: list[tuple[int, Subscriber]] = []
+        self._span_start = time.time()
+
+    # -- subscribing ----------------------------------------------------------------------------
+    def subscribe(self, every: int, fn: Subscriber) -> None:
+        """Hand every chunk to ``fn``; chunks are cut at least every ``every`` steps."""
+        if every < 1:
+            raise ValueError(f"'every' must be an int >= 1, but got {every!r}.")
+        self._subscribers.append((every, fn))
+        self.interval = min(self._base, *(e for e, _ in self._subscribers))
+
+    def unsubscribe(self, fn: Subscriber) -> None:
+        self._subscribers = [(e, f) for e, f in self._subscribers if f != fn]
+        self.interval = min([self._base, *(e for e, _ in self._subscribers)])
+
+    @property
+    def read(self) -> bool:
+        """True when somebody subscribed (chunks are copied to the host)."""
+        return bool(self._subscribers)
+
+    # -- the host side ----------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int, next_step: int) -> None:
+        """A new epoch starts; its first step is ``next_step``."""
+        self.cut()
+        self.epoch, self.next_step, self.total = epoch, next_step, None
+
+    def restart(self, next_step: int) -> None:
+        """The next push is step ``next_step`` (after a jump in the step count)."""
+        self.cut()
+        self.next_step = next_step
+
+    def push(self, loss: Any) -> None:
+        """Add the next step's loss (a detached tensor); cut a chunk when one is due."""
+        pending = self.pending
+        pending.append(loss)
+        if (self.next_step + len(pending) - 1) % self.interval == 0:
+            self.cut()
+
+    @property
+    def latest(self) -> Any:
+        """The newest step loss (a device tensor), or None before the first step."""
+        return self.pending[-1] if self.pending else self.last
+
+    @property
+    def pushed_step(self) -> int:
+        """The global step of the newest loss pushed (0 before the first)."""
+        return self.next_step + len(self.pending) - 1
+
+    def cut(self) -> Chunk | None:
+        """Cut the waiting losses into a chunk now (an epoch's end, a subscriber's flush)."""
+        pending = self.pending
+        if not pending:
+            return None
+        first = self.next_step
+        self.next_step = first + len(pending)
+        self.last = pending[-1]
+        device = stack_losses(pending)
+        pending.clear()  # the same list: a loop may hold it
+        part = device.sum()
+        self.total = part if self.total is None else self.total + part
+        if not self._subscribers:
+            return None
+        host, ready = device, None
+        if device.is_cuda:
+            host = device.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        now = time.time()
+        chunk = Chunk(range(first, self.next_step), self.epoch, device, host, ready,
+                      (self._span_start, now))  # fmt: skip
+        self._span_start = now
+        for _, fn in self._subscribers:
+            fn(chunk)
+        return chunk
+
+    def end_epoch(self) -> torch.Tensor | None:
+        """Cut what waits and return the epoch's loss sum (a device tensor), or None."""
+        self.cut()
+        total, self.total = self.total, None
+        return total
