@@ -109,8 +109,9 @@ def test_exception_in_training_marks_run_failed_with_points(tmp_path: Path) -> N
     with Store(db) as store:
         run = store.run("fails")
         assert run.status == "failed"
-        # The failure is raised in step 25's step-end hook, before the recorder saw step 25.
-        assert store.metrics(run.id, "step_loss")[0].tolist() == list(range(1, 25))
+        # The failure is raised in step 25's step-end hook, after step 25 was trained: its loss
+        # is recorded.
+        assert store.metrics(run.id, "step_loss")[0].tolist() == list(range(1, 26))
         errors = [e for e in store.events(run.id) if e["kind"] == "error"]
         assert errors[0]["message"] == "RuntimeError: simulated failure"
 
