@@ -86,13 +86,13 @@ def test_recorder_reads_losses_once_per_interval(tmp_path: Path) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
     model = Model(net, _counting_loss, torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
-    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=10, flush_seconds=60)
+    recorder = RunRecorder(db=tmp_path / "s.db", transfer_every=8, flush_seconds=60)
     SyncCountingTensor.reads = 0
-    model.train(1, make_batches(30, batch_size=2), callbacks=[recorder])
-    # One read for the epoch's mean loss, one per transfer (steps 10, 20, 30).
-    assert SyncCountingTensor.reads == 1 + 3
+    model.train(1, make_batches(32, batch_size=2), callbacks=[recorder])
+    # One read for the epoch's mean loss, one per chunk of the loss tap (steps 8, ..., 32).
+    assert SyncCountingTensor.reads == 1 + 4
     with Store(tmp_path / "s.db") as store:
-        assert len(store.metrics(recorder.run_id, "step_loss")[0]) == 30
+        assert len(store.metrics(recorder.run_id, "step_loss")[0]) == 32
 
 
 def test_exception_in_training_marks_run_failed_with_points(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from .layer_detectors import DyingReLU, GradVanishing
 
 __all__ = [
     "DETECTORS", "Alert", "Detector", "Divergence", "DyingReLU", "GradExplosion", "GradVanishing",
-    "NonFinite", "Overfitting", "Plateau", "Spike", "Threshold", "make_detectors",
+    "NonFinite", "Overfitting", "Plateau", "Spike", "Threshold", "is_detector", "make_detectors",
 ]  # fmt: skip
 
 
@@ -476,9 +476,27 @@ def _build(kind: Any, options: Any = None) -> Detector:
     return cls(**options)
 
 
+def is_detector(obj: Any) -> bool:
+    """True for a detector of one's own: an object with a non-empty str ``kind``, ``reset()``
+    and ``update_many(steps, values, epoch)`` returning a list of :class:`Alert`."""
+    kind = getattr(obj, "kind", None)
+    return (
+        isinstance(kind, str)
+        and bool(kind)
+        and callable(getattr(obj, "reset", None))
+        and callable(getattr(obj, "update_many", None))
+        and not isinstance(obj, type)
+    )
+
+
 def make_detectors(spec: Any = None) -> list[Detector]:
     """Build detectors from ``spec``: None (every kind but 'threshold', with defaults), a list
-    of kind names, or a dict of kind -> options dict (or a ready detector instance).
+    of kind names or detector instances, or a dict of kind -> options dict (or a ready detector
+    instance).
+
+    A detector of one's own (see :func:`is_detector`, e.g. a :class:`Detector` subclass with a
+    new ``kind``) is fed every step loss like the built-in loss detectors; its alerts take the
+    same path (log, store, action) as theirs.
 
     Raises:
         ValueError: an unknown kind (the message lists the known ones).
@@ -487,9 +505,12 @@ def make_detectors(spec: Any = None) -> list[Detector]:
     if spec is None:
         return [cls() for kind, cls in DETECTORS.items() if kind != "threshold"]
     if isinstance(spec, Mapping):
-        return [_build(kind, options) for kind, options in spec.items()]
+        return [
+            options if kind not in DETECTORS and is_detector(options) else _build(kind, options)
+            for kind, options in spec.items()
+        ]
     if isinstance(spec, (list, tuple)):
-        return [_build(kind) for kind in spec]
+        return [item if is_detector(item) else _build(item) for item in spec]
     raise TypeError(
         "'detectors' must be None, a list of detector kinds or a dict of kind -> options, "
         f"but got {_got(spec)}; known kinds: {_KNOWN}."

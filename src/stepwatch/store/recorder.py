@@ -16,7 +16,8 @@ from ..monitor import values as names
 from ..monitor.schedule import Every
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from ..train.step import scale_tensor
-from ..view import Chunk, RunView, view_of
+from ..view.run import RunView, view_of
+from ..view.tap import Chunk
 from ._schema import check_writable_db, resolve_path
 from .writer import RunWriter
 

@@ -26,7 +26,7 @@ from ..dataset import (
     split_loss,
 )
 from ..distributed import rank_and_world
-from ..view import RunView, view_of
+from ..view.run import RunView, view_of
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .evaluate import eval_in_fit
 from .parallel import epoch_results

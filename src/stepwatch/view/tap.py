@@ -91,7 +91,7 @@ class LossTap:
     """
 
     def __init__(self, interval: int = DEFAULT_INTERVAL) -> None:
-        self._base = interval
+        self._base = 1 << (interval.bit_length() - 1)
         self.interval = interval
         self.pending: list[Any] = []
         self.next_step = 1  # the global step of pending[0]
@@ -103,9 +103,13 @@ class LossTap:
 
     # -- subscribing ----------------------------------------------------------------------------
     def subscribe(self, every: int, fn: Subscriber) -> None:
-        """Hand every chunk to ``fn``; chunks are cut at least every ``every`` steps."""
+        """Hand every chunk to ``fn``; chunks are cut at least every ``every`` steps (at the
+        multiples of ``every`` rounded down to a power of two) and at each epoch's end."""
         if every < 1:
             raise ValueError(f"'every' must be an int >= 1, but got {every!r}.")
+        # Rounded down to a power of two, so the shortest interval divides every other one:
+        # the tap cuts at each subscriber's multiples, the same steps on every rank.
+        every = 1 << (every.bit_length() - 1)
         self._subscribers.append((every, fn))
         self.interval = min(self._base, *(e for e, _ in self._subscribers))
 

@@ -45,14 +45,16 @@ def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
     )
 
 
-def check_actions(action: Any) -> tuple[tuple[ActionSpec, ...], dict[str, tuple[ActionSpec, ...]]]:
+def check_actions(
+    action: Any, kinds: Sequence[str] = tuple(DETECTORS)
+) -> tuple[tuple[ActionSpec, ...], dict[str, tuple[ActionSpec, ...]]]:
     """``(default actions, {kind: actions})`` from ``action``: one action, a list of them, or a
-    dict of detector kind -> action(s) (kinds not in it warn)."""
+    dict of detector kind (one of ``kinds``) -> action(s) (kinds not in it warn)."""
     if isinstance(action, Mapping):
         per_kind = {}
         for kind, value in action.items():
-            if kind not in DETECTORS:
-                known = ", ".join(map(repr, DETECTORS))
+            if kind not in kinds:
+                known = ", ".join(map(repr, kinds))
                 raise ValueError(
                     f"'action' names an unknown detector kind {kind!r}; known: {known}."
                 )

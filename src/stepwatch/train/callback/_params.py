@@ -62,6 +62,10 @@ class CallbackParams:
     norm before clipping, a device tensor, on the steps where it is computed (with
     ``clip_grad_norm``), else None.
 
+    ``run_view`` is the run as the monitors read it (:class:`stepwatch.view.RunView`): the
+    step-loss tap, whether the run validates, the epoch values by name, the store and the
+    alert path.
+
     ``step_time`` is the wall time in seconds from the end of the previous step (or the start of
     the epoch) to the end of this one's optimizer step: loading the batch, the step-begin hooks
     and the step itself.
@@ -105,6 +109,7 @@ class CallbackParams:
     compile_seconds: float
     lr_scheduler: Any
     loss_scaler: Any
+    run_view: Any
 
     def __init__(self, **fields: Any) -> None:
         self.loss_tensor = None

@@ -4,6 +4,8 @@ exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it f
 
 from __future__ import annotations
 
+import bisect
+import functools
 import logging
 import math
 from collections import deque
@@ -13,11 +15,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..._tensor import stack_losses
 from ..._validation import check_int, check_number
-from ...distributed import rank_and_world, sum_across
+from ...distributed import sum_across
 from ...monitor import values as names
 from ...monitor.detectors import (
+    DETECTORS,
     Alert,
     Detector,
     Divergence,
@@ -30,6 +32,8 @@ from ...monitor.detectors import (
     Threshold,
     make_detectors,
 )
+from ...view.run import RunView, view_of
+from ...view.tap import Chunk
 from ._anomaly_actions import (
     GradStats,
     StateKeeper,
@@ -39,7 +43,6 @@ from ._anomaly_actions import (
     write_snapshot,
 )
 from ._callback import ORDER_STEER, Callback, RunContext
-from ._monitor import epoch_values
 
 __all__ = ["AnomalyMonitor", "TerminateOnNaN"]
 
@@ -94,7 +97,11 @@ class AnomalyMonitor(Callback):
     Args:
         detectors: None for every detector but ``'threshold'`` at its defaults (right for most
             runs), a list of kinds, or a dict of kind -> options dict (or a detector
-            instance): ``{'spike': {'z': 8}, 'plateau': {'patience': 2000}}``.
+            instance): ``{'spike': {'z': 8}, 'plateau': {'patience': 2000}}``. A detector of
+            your own (an object with a ``kind``, ``reset()`` and ``update_many(steps, losses,
+            epoch)`` returning alerts, e.g. a :class:`~stepwatch.monitor.detectors.Detector`
+            subclass) goes in the list; it is fed every step loss, and its alerts are logged,
+            stored and acted on like the built-in ones (its kind can key ``action``).
         action: one action for every kind, a list of actions run in order, or a dict of kind
             -> action(s) (kinds left out warn): ``{'nonfinite': 'stop', 'spike': 'rollback'}``.
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
@@ -130,7 +137,8 @@ class AnomalyMonitor(Callback):
         window: int = 200,
     ) -> None:
         self.detectors: list[Detector] = make_detectors(detectors)
-        self._default_actions, self._kind_actions = check_actions(action)
+        own = [d.kind for d in self.detectors if d.kind not in DETECTORS]
+        self._default_actions, self._kind_actions = check_actions(action, [*DETECTORS, *own])
         self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
         self.snapshot_dir = check_snapshot_dir(snapshot_dir) or Path("anomaly_snapshots")
         self.grad_every_n_steps = check_int("grad_every_n_steps", grad_every_n_steps, minimum=1)
@@ -144,10 +152,12 @@ class AnomalyMonitor(Callback):
         self.outcomes: list[str] = []  # what the actions did, one entry per alert
         self.rollbacks = 0
         kinds = {d.kind for d in self.detectors}
+        # The loss detectors, a user's own detectors among them: fed every step loss.
         self._step_detectors = [
             d
             for d in self.detectors
             if d.kind in ("nonfinite", "spike", "divergence", "plateau")
+            or d.kind not in DETECTORS
             or (isinstance(d, Threshold) and d.name in _STEP_NAMES)
         ]
         self._epoch_thresholds = [
@@ -172,13 +182,16 @@ class AnomalyMonitor(Callback):
         self.alerts = []
         self.outcomes = []
         self.rollbacks = 0
-        self._losses: list[Any] = []
-        self._steps: list[int] = []
-        self._lrs: list[float] = []  # the learning rate at each sampled step (for plateau)
+        self._view: RunView | None = None
+        self._feed = False
         self._groups: Any = None
-        self._grad: tuple[int, torch.Tensor] | None = None
+        self._lr_changes: list[tuple[int, float]] = []  # (first step, rate), for plateau
         self._grad_due = 0
+        # What waits to be read, in order: ("loss", chunk) and ("grad", step, epoch, host,
+        # ready); in a distributed run, the chunks of the block not yet reduced across ranks.
         self._inflight: deque[tuple[Any, ...]] = deque()
+        self._block: list[Chunk] = []
+        self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
         self._keeper = StateKeeper(self.rollback_every) if self._keeps_state else None
         self._scaled = False
@@ -191,8 +204,9 @@ class AnomalyMonitor(Callback):
     def on_train_begin(self, run_context: RunContext) -> None:
         self._reset()
         p = run_context.original_args()
-        self._rank, self._world = rank_and_world()
-        if self._measures_grads and p.get("train_network") is not None:
+        view = self._view = view_of(p)
+        self._rank, self._world = view.rank, view.world
+        if self._measures_grads and p.get("train_network") is not None and view.grads:
             self._stats = GradStats(p.train_network)
             for detector in (self._vanishing, self._dying):
                 if detector is not None:
@@ -202,35 +216,48 @@ class AnomalyMonitor(Callback):
             self._groups = optimizer.param_groups
         # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
         self._scaled = p.get("loss_scaler") is not None
+        # A cb_params built by hand has nobody pushing losses into the tap: push them here.
+        self._feed = not view.fed
+        view.tap.subscribe(READ_EVERY, self._take)
+
+    def _take(self, chunk: Chunk) -> None:
+        if self._world > 1:
+            self._block.append(chunk)  # reduced across ranks at the block's end
+        else:
+            self._inflight.append(("loss", chunk))
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         p = run_context.cb_params
         step = p.cur_step_num
-        if step % self.every_n_steps == 0:
-            self._losses.append(p.loss_tensor)
-            self._steps.append(step)
-            if self._groups is not None:
-                self._lrs.append(self._groups[0]["lr"])
+        if self._feed:
+            assert self._view is not None
+            self._view.tap.push(p.loss_tensor)
+        groups = self._groups
+        if groups is not None:
+            lr = groups[0]["lr"]
+            changes = self._lr_changes
+            if not changes or changes[-1][1] != lr:
+                changes.append((step, lr))
         stats = self._stats
         if stats is not None and step >= self._grad_due and p.get("optimizer_stepped", True):
             measured = stats.measure()
             if measured is not None:
-                self._grad = (step, measured)
                 self._grad_due = step + self.grad_every_n_steps
+                self._ship_grads(step, p.cur_epoch_num, measured)
         if self._keeper is not None:
             self._keeper.maybe_keep(step, p)
-        if len(self._losses) >= READ_EVERY or self._grad is not None:
-            self._ship(p)
+        if self._block and self._block[-1].steps[-1] % READ_EVERY == 0:
+            self._reduce_block()
         if self._inflight:
             self._drain(run_context, block=False)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
-        self._ship(p)
-        self._drain(run_context, block=True)
+        self._read_all(run_context)
         if self._overfitting is None and not self._epoch_thresholds:
             return
-        values = epoch_values(p)
+        assert self._view is not None
+        values = self._view.numbers()
         step, epoch = p.cur_step_num, p.cur_epoch_num
         found: list[Alert | None] = []
         train, valid = values.get(names.LOSS), values.get(names.EVAL_LOSS)
@@ -244,106 +271,135 @@ class AnomalyMonitor(Callback):
                 self._raise(alert, run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
-        self._ship(run_context.original_args())
-        self._drain(run_context, block=True)
+        self._read_all(run_context)
+        if self._view is not None:
+            self._view.tap.unsubscribe(self._take)
+
+    def __exit__(self, *err: Any) -> None:
+        if self._view is not None:
+            self._view.tap.unsubscribe(self._take)
+        self._inflight.clear()  # no device tensors kept alive after the run
+        self._block = []
 
     # -- reading values ---------------------------------------------------------------------
-    def _ship(self, p: Any) -> None:
-        """Queue one host transfer of the waiting losses and gradient measurement."""
-        losses, steps, grad, lrs = self._losses, self._steps, self._grad, self._lrs
-        if not losses and grad is None:
-            return
-        self._losses, self._steps, self._grad, self._lrs = [], [], None, []
-        parts = []
-        if losses:
-            part = stack_losses(losses)
-            if self._world > 1:  # every rank decides on the same numbers: the mean over ranks
-                part = sum_across([part])[0].float().to(part.device) / self._world
-            parts.append(part)
-        if grad is not None:
-            parts.append(grad[1].to(parts[0].device) if parts else grad[1])
-        packed = torch.cat(parts) if len(parts) > 1 else parts[0]
+    def _read_all(self, run_context: RunContext) -> None:
+        """Read everything the tap holds (an epoch's end, the run's end), waiting for it."""
+        assert self._view is not None
+        self._view.tap.cut()
+        self._reduce_block()
+        self._drain(run_context, block=True)
+
+    def _ship_grads(self, step: int, epoch: int, measured: torch.Tensor) -> None:
+        """Queue one host transfer of a gradient measurement (non-blocking on CUDA)."""
         ready = None
-        if packed.is_cuda:
-            packed = packed.to("cpu", non_blocking=True)
+        if measured.is_cuda:
+            measured = measured.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        self._inflight.append(
-            (p.cur_epoch_num, lrs, steps, grad[0] if grad else None, packed, ready)
-        )
+        self._inflight.append(("grad", step, epoch, measured, ready))
+
+    def _reduce_block(self) -> None:
+        """Distributed: the block's losses averaged over the ranks, in one all_reduce (every
+        rank cuts the same chunks, so every rank reduces the same block at the same step)."""
+        block, self._block = self._block, []
+        if not block:
+            return
+        losses = torch.cat([c.device for c in block]) if len(block) > 1 else block[0].device
+        mean = sum_across([losses])[0].float().to(losses.device) / self._world
+        steps = range(block[0].steps.start, block[-1].steps.stop)
+        self._inflight.append(("loss", Chunk(steps, block[-1].epoch, mean, None, None, (0, 0))))
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
-        while self._inflight:
-            epoch, lrs, steps, grad_step, packed, ready = self._inflight[0]
+        inflight = self._inflight
+        while inflight:
+            item = inflight[0]
+            ready = item[1].ready if item[0] == "loss" else item[4]
             # ranks must act at the same step: in a distributed run, wait for the values
             if ready is not None and not block and self._world == 1 and not ready.query():
                 return
-            self._inflight.popleft()
-            if ready is not None:
-                ready.synchronize()
-            values = packed.tolist()
-            alerts = self._detect(epoch, steps, grad_step, values, lrs)
+            inflight.popleft()
+            if item[0] == "loss":
+                alerts = self._detect_losses(item[1])
+            else:
+                alerts = self._detect_grads(item[1], item[2], item[3], item[4])
             rollbacks = self.rollbacks
             for alert in sorted(alerts, key=lambda a: a.step):
                 # after a rollback, what the same batch still holds came from the undone steps
                 self._raise(alert, run_context, act=self.rollbacks == rollbacks)
 
-    def _detect(
-        self, epoch: int, steps: list[int], grad_step: int | None, values: list[float],
-        lrs: list[float],
-    ) -> list[Alert]:  # fmt: skip
-        n = len(steps)
-        losses = values[:n]
-        alerts: list[Alert] = []
+    def _detect_losses(self, chunk: Chunk) -> list[Alert]:
+        steps, losses = chunk.steps, chunk.values()
+        if steps.start <= self._undone:  # rolled back: only the steps after it count
+            keep = max(0, self._undone + 1 - steps.start)
+            steps, losses = steps[keep:], losses[keep:]
+        if self.every_n_steps > 1:
+            skip = -steps.start % self.every_n_steps
+            steps, losses = steps[skip :: self.every_n_steps], losses[skip :: self.every_n_steps]
+        if not steps:
+            return []
+        epoch = chunk.epoch
         history = self._history
-        if n:
-            history["step"].extend(steps)
-            history["loss"].extend(losses)
-            for detector in self._step_detectors:
-                if detector is self._plateau:
-                    alerts.extend(self._plateau.update_many(steps, losses, epoch, lrs or None))
-                else:
-                    alerts.extend(detector.update_many(steps, losses, epoch))
-            if alerts:
-                self._grad_due = 0  # trouble in the loss: look at the gradients at once
-        if grad_step is not None and self._stats is not None:
-            total, norms, dead = self._stats.split(values[n:])
-            history["grad_step"].append(grad_step)
-            history["grad_norm"].append(total)
-            found = [
-                self._grad_nonfinite.update(grad_step, total, epoch)
-                if self._grad_nonfinite is not None and not self._scaled
-                else None,
-                self._explosion.update(grad_step, total, epoch) if self._explosion else None,
-            ]
-            if math.isfinite(total):
-                if self._vanishing is not None:
-                    found.append(self._vanishing.update(grad_step, norms, epoch))
-                if self._dying is not None:
-                    found.append(self._dying.update(grad_step, dead, epoch=epoch))
-            alerts.extend(a for a in found if a is not None)
+        history["step"].extend(steps)
+        history["loss"].extend(losses)
+        alerts: list[Alert] = []
+        for detector in self._step_detectors:
+            if detector is self._plateau:
+                lrs = self._rates(steps)
+                alerts.extend(self._plateau.update_many(steps, losses, epoch, lrs))
+            else:
+                alerts.extend(detector.update_many(steps, losses, epoch))
+        if alerts:
+            self._grad_due = 0  # trouble in the loss: look at the gradients at once
         return alerts
+
+    def _rates(self, steps: range) -> list[float] | None:
+        """The learning rate at each of ``steps`` (from the recorded change points)."""
+        changes = self._lr_changes
+        if not changes:
+            return None
+        if len(changes) == 1:
+            return [changes[0][1]] * len(steps)
+        starts = [s for s, _ in changes]
+        return [changes[max(0, bisect.bisect_right(starts, s) - 1)][1] for s in steps]
+
+    def _detect_grads(self, step: int, epoch: int, host: torch.Tensor, ready: Any) -> list[Alert]:
+        if ready is not None:
+            ready.synchronize()
+        if step <= self._undone or self._stats is None:
+            return []
+        total, norms, dead = self._stats.split(host.tolist())
+        history = self._history
+        history["grad_step"].append(step)
+        history["grad_norm"].append(total)
+        found = [
+            self._grad_nonfinite.update(step, total, epoch)
+            if self._grad_nonfinite is not None and not self._scaled
+            else None,
+            self._explosion.update(step, total, epoch) if self._explosion else None,
+        ]
+        if math.isfinite(total):
+            if self._vanishing is not None:
+                found.append(self._vanishing.update(step, norms, epoch))
+            if self._dying is not None:
+                found.append(self._dying.update(step, dead, epoch=epoch))
+        return [a for a in found if a is not None]
 
     # -- acting -----------------------------------------------------------------------------
     def _raise(self, alert: Alert, run_context: RunContext, act: bool = True) -> None:
-        self.alerts.append(alert)
+        assert self._view is not None
         actions = self._kind_actions.get(alert.kind, self._default_actions)
-        if act:
-            done = [self._act(action, alert, run_context) for action in actions]
-        else:
-            done = ["no action: its steps were rolled back"]
-        did = "; ".join(d for d in done if d)
-        self.outcomes.append(did)
-        p = run_context.original_args()
-        if p.get("rank_id", 0) == 0:
-            logger.warning("%s%s", alert.message, f" [{did}]" if did else "")
-        writer = _recorder_writer(p)
-        if writer is not None:
-            data = {"kind": alert.kind, "value": alert.value, "actions": done}
-            text = alert.message.removeprefix(f"step {alert.step}: ")  # the event has the step
-            writer.event("alert", text, alert.step, alert.epoch, "warning", data)
+        raised = self._view.alerts.emit(
+            alert,
+            [functools.partial(self._act, action, run_context=run_context) for action in actions],
+            source=type(self).__name__,
+            act=act,
+        )
+        self.alerts.append(alert)
+        self.outcomes.append(raised.outcome)
 
-    def _act(self, action: str | Callable[..., Any], alert: Alert, run_context: RunContext) -> str:
+    def _act(
+        self, action: str | Callable[..., Any], alert: Alert, *, run_context: RunContext
+    ) -> str:
         p = run_context.original_args()
         if callable(action):
             action(alert, run_context)
@@ -386,8 +442,9 @@ class AnomalyMonitor(Callback):
             return f"no state from before step {alert.step} to roll back to, {stopping}"
         self.rollbacks += 1
         # What is still waiting to be read came from the undone steps.
-        self._losses, self._steps, self._grad, self._lrs = [], [], None, []
+        self._undone = p.cur_step_num
         self._inflight.clear()
+        self._block = []
         for detector in self._step_detectors:
             if isinstance(detector, Divergence):
                 detector.restart_level()
@@ -400,16 +457,6 @@ class AnomalyMonitor(Callback):
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
     return next((d for d in detectors if isinstance(d, cls) and d.kind == cls.kind), None)
-
-
-def _recorder_writer(p: Any) -> Any:
-    """The run store writer of a RunRecorder in this run, if any."""
-    callbacks = getattr(p.get("list_callback"), "callbacks", ())
-    for callback in callbacks:
-        writer = getattr(callback, "writer", None)
-        if writer is not None and hasattr(writer, "event"):
-            return writer
-    return None
 
 
 class TerminateOnNaN(AnomalyMonitor):

@@ -13,6 +13,7 @@ import torch
 from ..._validation import check_int, check_number
 from ...distributed import all_gather_rows
 from ...monitor.detectors import Alert
+from ...view.run import view_of
 from ._callback import Callback, RunContext
 
 __all__ = ["DistributedMonitor"]
@@ -80,6 +81,7 @@ class DistributedMonitor(Callback):
             "loss_tolerance", loss_tolerance, minimum=0.0, allow_none=True
         )
         self.alerts: list[Alert] = []
+        self._active: set[tuple[str, int]] = set()  # the conditions at the last check
         self.last: dict[str, float] = {}
         self._rank = 0
         self._params: list[torch.Tensor] = []
@@ -93,6 +95,7 @@ class DistributedMonitor(Callback):
     def on_train_begin(self, run_context: RunContext) -> None:
         p = run_context.cb_params
         self._rank = p.rank_id
+        self._active = set()
         self._params = [t for t in p.network.parameters()]
         self._remove_hook()
         self._hook = p.network.register_forward_hook(self._forward_done)
@@ -146,7 +149,8 @@ class DistributedMonitor(Callback):
             summary[f"{name}_min"] = min(column)
             summary[f"{name}_max"] = max(column)
         self.last = summary
-        writer = self._writer(p)
+        view = view_of(p)
+        writer = view.sink
         if self._rank == 0:
             logger.info(
                 "step %d: loss %.6g (min %.6g, max %.6g), step time %.3f ms (max %.3f ms), "
@@ -164,22 +168,19 @@ class DistributedMonitor(Callback):
             if writer is not None:
                 for key, value in summary.items():
                     writer.log(f"dist/{key}", value, step, epoch)
-        for alert in self._check(table, step, epoch):
-            self.alerts.append(alert)
-            if self._rank == 0:
-                logger.warning("%s alert at step %d: %s", alert.kind, step, alert.message)
-                if writer is not None:
-                    writer.event(
-                        "alert",
-                        alert.message,
-                        step,
-                        epoch,
-                        level="warning",
-                        data={"kind": alert.kind, "value": alert.value},
-                    )
+        found = self._check(table, step, epoch)
+        # Once per episode: an alert fires when its condition starts, not at every check.
+        for cond, alert in found.items():
+            if cond not in self._active:
+                self.alerts.append(alert)
+                view.alerts.emit(alert, source=type(self).__name__)
+        self._active = set(found)
 
-    def _check(self, table: list[list[float]], step: int, epoch: int) -> list[Alert]:
-        alerts: list[Alert] = []
+    def _check(
+        self, table: list[list[float]], step: int, epoch: int
+    ) -> dict[tuple[str, int], Alert]:
+        """The conditions that hold at this check, each with its alert."""
+        alerts: dict[tuple[str, int], Alert] = {}
         world = len(table)
         if world < 2:
             return alerts
@@ -190,17 +191,15 @@ class DistributedMonitor(Callback):
             median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
             slow = mine > self.straggler_factor * median
             if median > 0 and slow and mine - median >= self.straggler_seconds:
-                alerts.append(
-                    Alert(
-                        step,
-                        epoch,
-                        "straggler",
-                        f"rank {rank} is a straggler: {mine * 1000:.3f} ms of work per step "
-                        f"before the gradient all-reduce, {mine / median:.1f}x the other ranks' "
-                        f"median ({median * 1000:.3f} ms); the others wait for it. Look at its "
-                        "data loading, its machine's load, or its device.",
-                        mine / median,
-                    )
+                alerts["straggler", rank] = Alert(
+                    step,
+                    epoch,
+                    "straggler",
+                    f"step {step}: rank {rank} is a straggler: {mine * 1000:.3f} ms of work "
+                    f"per step before the gradient all-reduce, {mine / median:.1f}x the other "
+                    f"ranks' median ({median * 1000:.3f} ms); the others wait for it. Look at its "
+                    "data loading, its machine's load, or its device.",
+                    mine / median,
                 )
         sums = [r[_SUM] for r in table]
         reference = sums[0]
@@ -208,45 +207,32 @@ class DistributedMonitor(Callback):
         worst = max(range(world), key=lambda r: abs(sums[r] - reference))
         gap = abs(sums[worst] - reference) / scale
         if not math.isfinite(gap) or gap > self.desync_tolerance:
-            alerts.append(
-                Alert(
-                    step,
-                    epoch,
-                    "desync",
-                    f"rank {worst}'s weights are out of step with rank 0's (checksum "
-                    f"{sums[worst]:.9g} vs {reference:.9g}, relative gap {gap:.3g}): the "
-                    "replicas no longer train the same model. Check for code that changes "
-                    "weights on one rank only, or a network that was not wrapped in "
-                    "DistributedDataParallel.",
-                    gap,
-                )
+            alerts["desync", -1] = Alert(
+                step,
+                epoch,
+                "desync",
+                f"step {step}: rank {worst}'s weights are out of step with rank 0's (checksum "
+                f"{sums[worst]:.9g} vs {reference:.9g}, relative gap {gap:.3g}): the "
+                "replicas no longer train the same model. Check for code that changes "
+                "weights on one rank only, or a network that was not wrapped in "
+                "DistributedDataParallel.",
+                gap,
             )
         if self.loss_tolerance is not None:
             losses = [r[_LOSS] for r in table]
             mean = sum(losses) / world
             spread = (max(losses) - min(losses)) / max(abs(mean), 1e-12)
             if not math.isfinite(spread) or spread > self.loss_tolerance:
-                alerts.append(
-                    Alert(
-                        step,
-                        epoch,
-                        "desync",
-                        f"the ranks' losses disagree: from {min(losses):.6g} to "
-                        f"{max(losses):.6g} (relative spread {spread:.3g} > "
-                        f"{self.loss_tolerance:g}).",
-                        spread,
-                    )
+                alerts["desync", -2] = Alert(
+                    step,
+                    epoch,
+                    "desync",
+                    f"step {step}: the ranks' losses disagree: from {min(losses):.6g} to "
+                    f"{max(losses):.6g} (relative spread {spread:.3g} > "
+                    f"{self.loss_tolerance:g}).",
+                    spread,
                 )
         return alerts
-
-    @staticmethod
-    def _writer(p: Any) -> Any:
-        """The run store writer of a RunRecorder in the run (rank 0), or None."""
-        for cb in p.list_callback:
-            writer = getattr(cb, "writer", None)
-            if writer is not None and callable(getattr(writer, "event", None)):
-                return writer
-        return None
 
     def _remove_hook(self) -> None:
         hook, self._hook = self._hook, None

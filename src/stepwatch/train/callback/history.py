@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from ..._validation import check_int
-from ...monitor import values as names
 from ...monitor.ring import RingBuffer
+from ...view.run import RunView, view_of
+from ...view.tap import Chunk
 from ._callback import Callback, RunContext
 
 __all__ = ["History"]
@@ -43,8 +42,9 @@ class History(Callback):
     Args:
         step_history: also keep the losses of the last this-many steps in ``history.steps``,
             a :class:`~stepwatch.RingBuffer` (bounded memory, O(1) per step). The losses stay
-            on the device and are copied to the host together, once per ``step_history``
-            steps (at most 1024) or epoch end. 0 (default) keeps none and adds no per-step work.
+            on the device (the run's loss tap) and are read together, once per
+            ``step_history`` steps (at most 1024) or epoch end. 0 (default) keeps none and
+            adds no per-step work.
 
     Raises:
         TypeError / ValueError: ``step_history`` is not an int >= 0.
@@ -60,44 +60,55 @@ class History(Callback):
         self.epoch: dict[str, list[int]] = {"epoch": []}
         self.history: dict[str, list[Any]] = {}
         self.steps: RingBuffer | None = RingBuffer(capacity) if capacity else None
-        self._pending: list[torch.Tensor] = []
-        self._pending_steps: list[int] = []
+        self._chunks: list[Chunk] = []  # step losses from the run's tap, not read yet
+        self._waiting = 0
         self._flush_every = min(capacity, 1024)
-        if capacity:
-            # Bound only when asked for, so the default History adds nothing to each step.
-            self.on_train_step_end = self._record_step  # type: ignore[method-assign]
+        self._view: RunView | None = None
 
-    def _record_step(self, run_context: RunContext) -> None:
-        p = run_context.cb_params
-        self._pending.append(p.loss_tensor)
-        self._pending_steps.append(p.cur_step_num)
-        if len(self._pending) >= self._flush_every:
+    def _take(self, chunk: Chunk) -> None:
+        self._chunks.append(chunk)
+        self._waiting += len(chunk)
+        if self._waiting >= self._flush_every:
             self._flush_steps()
 
     def _flush_steps(self) -> None:
-        if self.steps is None or not self._pending:
+        if self.steps is None or not self._chunks:
             return
-        values = torch.stack([t.detach().float() for t in self._pending]).cpu().numpy()
-        self.steps.extend(self._pending_steps, values)
-        self._pending, self._pending_steps = [], []
+        for chunk in self._chunks:
+            self.steps.extend(list(chunk.steps), chunk.values())
+        self._chunks, self._waiting = [], 0
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        if self.steps is not None:
-            self.steps.clear()
-            self._pending, self._pending_steps = [], []
         self.epoch = {"epoch": []}
         self.history = {}
+        self._view = view_of(run_context.cb_params)
+        if self.steps is not None:
+            self.steps.clear()
+            self._chunks, self._waiting = [], 0
+            # Subscribed only when asked for, so the default History adds nothing per step.
+            self._view.tap.subscribe(self._flush_every, self._take)
+
+    def on_train_end(self, run_context: RunContext) -> None:
+        self._detach()
+
+    def __exit__(self, *err: Any) -> None:
+        self._detach()
+
+    def _detach(self) -> None:
+        view, self._view = self._view, None
+        if view is not None and self.steps is not None:
+            view.tap.cut()
+            view.tap.unsubscribe(self._take)
+            self._flush_steps()
+        self._chunks = []
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
+        if self._view is not None and self.steps is not None:
+            self._view.tap.cut()
         self._flush_steps()
         cb_params = run_context.cb_params
         row: dict[str, Any] = {"net_output": _number(cb_params.net_outputs)}
-        named = names.epoch_values(
-            cb_params.train_results,
-            getattr(cb_params, "eval_results", None),
-            validates=getattr(cb_params, "valid_dataset", None) is not None,
-        )
-        for name, value in named.items():
+        for name, value in view_of(cb_params).epoch_values().items():
             row[name] = _number(value)
         done = len(self.epoch["epoch"])
         for name, value in row.items():

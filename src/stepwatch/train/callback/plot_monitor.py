@@ -15,6 +15,8 @@ from ..._validation import check_int, check_number
 from ...monitor import values as names
 from ...monitor.schedule import Every
 from ...plotting import RunCurves, render_png, replace_file
+from ...view.run import RunView, view_of
+from ...view.tap import Chunk
 from ._callback import Callback, RunContext
 
 __all__ = ["PlotMonitor"]
@@ -75,8 +77,8 @@ class PlotMonitor(Callback):
     with ``eval_accuracy``). The picture is drawn with matplotlib's Agg canvas on a background
     thread, so it works without a display and a step never waits for it: the training thread
     only hands over a copy of the curves every ``every_n_seconds`` (when the thread is still
-    drawing, the older copy is dropped). The step losses are gathered on the device and copied
-    to the host in one transfer per 512 steps or per picture. A last picture is drawn when
+    drawing, the older copy is dropped). The step losses come from the run's loss tap and are
+    read once per 512 steps or per picture. A last picture is drawn when
     training ends. In a Jupyter notebook the picture is also shown under the cell and
     updated in place.
 
@@ -118,8 +120,10 @@ class PlotMonitor(Callback):
             ) from None
         self._schedule = Every(seconds=self.every_n_seconds or None)
         self._series: dict[str, _Series] = {}
-        self._pending: list[Any] = []
-        self._pending_steps: list[int] = []
+        self._chunks: list[Chunk] = []  # step losses from the run's tap, not read yet
+        self._waiting = 0
+        self._optimizer: Any = None
+        self._view: RunView | None = None
         self._jobs: queue.Queue[RunCurves | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
         self._failed = False
@@ -133,16 +137,24 @@ class PlotMonitor(Callback):
             series = self._series[key] = _Series(self.max_points)
         series.extend(steps, values)
 
-    def _transfer(self, cb_params: Any) -> None:
-        if self._pending:
-            import torch
+    def _take(self, chunk: Chunk) -> None:
+        """Step losses from the run's tap: kept until the next picture or 512 steps."""
+        self._chunks.append(chunk)
+        self._waiting += len(chunk)
+        last = chunk.steps[-1]
+        due = self._schedule.seconds and self._schedule.due(last)
+        if due or self._waiting >= _TRANSFER_EVERY:
+            self._transfer(last)
+            if due and not self._failed:
+                self._submit()
 
-            losses = torch.stack(self._pending).detach().float().cpu().tolist()
-            self._add(names.STEP_LOSS, self._pending_steps, losses)
-            self._pending, self._pending_steps = [], []
-        optimizer = cb_params.get("optimizer")
+    def _transfer(self, step: int) -> None:
+        for chunk in self._chunks:
+            self._add(names.STEP_LOSS, list(chunk.steps), chunk.values())
+        self._chunks, self._waiting = [], 0
+        optimizer = self._optimizer
         if optimizer is not None and optimizer.param_groups:
-            self._add(names.LR, [cb_params.cur_step_num], [cb_params.lr])
+            self._add(names.LR, [step], [float(optimizer.param_groups[0]["lr"])])
 
     def _submit(self) -> None:
         snapshot: RunCurves = (
@@ -159,9 +171,14 @@ class PlotMonitor(Callback):
             pass
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        self._series, self._pending, self._pending_steps = {}, [], []
+        p = run_context.cb_params
+        self._series, self._chunks, self._waiting = {}, [], 0
         self._failed = False
-        self._schedule.reset(run_context.cb_params.cur_step_num)
+        self._schedule.reset(p.cur_step_num)
+        self._optimizer = p.get("optimizer")
+        self._view = view_of(p)
+        # A look at the clock per chunk of 64 steps (the tap cuts one at least that often).
+        self._view.tap.subscribe(64, self._take)
         if _in_notebook() and self._display is None:
             from IPython.display import display
 
@@ -172,43 +189,31 @@ class PlotMonitor(Callback):
             )
             self._thread.start()
 
-    def on_train_step_end(self, run_context: RunContext) -> None:
-        cb_params = run_context.cb_params
-        loss = cb_params.loss_tensor
-        step = cb_params.cur_step_num
-        if loss is not None:
-            self._pending.append(loss)
-            self._pending_steps.append(step)
-        due = self._schedule.seconds and self._schedule.due(step)
-        if due or len(self._pending) >= _TRANSFER_EVERY:
-            self._transfer(cb_params)
-            if due and not self._failed:
-                self._submit()
-
     def on_train_epoch_end(self, run_context: RunContext) -> None:
-        cb_params = run_context.original_args()
-        self._transfer(cb_params)
-        epoch_values = names.numeric(
-            names.epoch_values(
-                cb_params.get("train_results"),
-                cb_params.get("eval_results"),
-                validates=cb_params.get("valid_dataset") is not None,
-                aliases=False,
-            )
-        )
-        step = cb_params.cur_step_num
-        for key, value in epoch_values.items():
+        assert self._view is not None
+        self._view.tap.cut()
+        step = run_context.cb_params.cur_step_num
+        self._transfer(step)
+        for key, value in self._view.numbers(aliases=False).items():
             self._add(key, [step], [value])
 
     def on_train_end(self, run_context: RunContext) -> None:
-        self._transfer(run_context.original_args())
+        self._detach()
+        self._transfer(run_context.cb_params.cur_step_num)
         if not self._failed:
             self._submit()
         self._finish(timeout=60.0)
 
     def __exit__(self, *err: Any) -> None:
+        self._detach()
         self._finish(timeout=5.0)
-        self._pending = []  # no device tensors kept alive after the run
+        self._chunks = []  # no device tensors kept alive after the run
+
+    def _detach(self) -> None:
+        view, self._view = self._view, None
+        if view is not None:
+            view.tap.cut()
+            view.tap.unsubscribe(self._take)
 
     def _finish(self, timeout: float) -> None:
         thread = self._thread

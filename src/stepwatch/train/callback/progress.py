@@ -11,7 +11,9 @@ from typing import IO, Any
 from tqdm import tqdm
 
 from ..._validation import check_number
+from ...monitor import values as names
 from ...monitor.schedule import Every
+from ...view.run import RunView, view_of
 from ._callback import Callback, RunContext
 from ._print import set_line_writer
 
@@ -106,7 +108,7 @@ class ProgressBar(Callback):
         )
         self._bar: _Bar | None = None
         self._eval_bar: _Bar | None = None
-        self._loss: Any = None
+        self._view: RunView | None = None
         self._eval: dict[str, float] = {}
         self._stream: Any = None
         self._previous_writer: Any = None
@@ -122,8 +124,9 @@ class ProgressBar(Callback):
         step = self._bar.n if self._bar is not None else 0
         if self._batches and step:
             parts.append(f"step {(step - 1) % self._batches + 1}/{self._batches}")
-        if self._loss is not None:
-            parts.append(f"loss={_fmt(float(self._loss))}")  # the one host read, on redraw
+        loss = self._view.tap.latest if self._view is not None else None
+        if loss is not None:
+            parts.append(f"loss={_fmt(float(loss))}")  # the one host read, on redraw
         parts += [f"{k}={_fmt(v)}" for k, v in self._eval.items()]
         return ", ".join(parts)
 
@@ -154,7 +157,8 @@ class ProgressBar(Callback):
         first = int(cb_params.cur_step_num)
         self._total = cb_params.initial_step + cb_params.epoch_num * self._batches
         self._start = (time.perf_counter(), first)
-        self._loss, self._eval = None, {}
+        self._eval = {}
+        self._view = view_of(cb_params)
         self._plain.reset(first)
         if _is_terminal(self._stream):
             self._bar = _Bar(
@@ -176,21 +180,21 @@ class ProgressBar(Callback):
             self._bar.set_description_str(f"epoch {epoch}/{self._epochs}", refresh=False)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
-        cb_params = run_context.cb_params
-        self._loss = cb_params.loss_tensor  # a reference: read only when shown
         bar = self._bar
         if bar is not None:
             bar.update(1)
         elif self._plain.seconds:
+            cb_params = run_context.cb_params
             step = cb_params.cur_step_num
             if self._plain.due(step) and not cb_params.last_step_of_epoch:
-                self._plain_line(cb_params, step, float(self._loss))
+                assert self._view is not None
+                self._plain_line(cb_params, step, float(self._view.tap.latest))
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         eval_results = cb_params.get("eval_results") or {}
         self._eval = {
-            (k if k.startswith("eval_") else f"eval_{k}"): float(v)
+            names.eval_name(k): float(v)
             for k, v in eval_results.items()
             if isinstance(v, (int, float))
         }
@@ -237,7 +241,7 @@ class ProgressBar(Callback):
         if self._bar is not None:
             set_line_writer(self._previous_writer)
         self._bar = self._eval_bar = None
-        self._loss = None  # no device tensor kept alive after the run
+        self._view = None  # no device tensor kept alive after the run
 
     def __exit__(self, *err: Any) -> None:
         self._close()
