@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.callback.*",),
     ("stepwatch.train.parts", "stepwatch.train.parallel"),
     ("stepwatch.train.evaluate",),
-    ("stepwatch.train.loop", "stepwatch.store.recorder"),
+    ("stepwatch.train.loop", "stepwatch.train.watched", "stepwatch.store.recorder"),
     ("stepwatch.train.model",),
     # The package faces re-export everything; only the top may import them.
     ("stepwatch.demo", "stepwatch.amp", "<faces>"),

@@ -102,6 +102,22 @@ def test_keys_and_events(served: tuple[DashboardServer, Path]) -> None:
     assert summary["step_loss"]["count"] == 10
 
 
+def test_panels_say_which_chart_each_key_goes_in(served: tuple[DashboardServer, Path]) -> None:
+    server, _ = served
+    status, body = _get(server, "/api/runs/1/panels")[:2]
+    assert status == 200
+    # The same rule the PNG plots use (stepwatch.monitor.values.panel_of): a per-class key
+    # goes in its metric's chart, every loss in 'loss', and 'loss' is the first chart.
+    assert body == {
+        "panels": {
+            "eval_accuracy": "accuracy",
+            "eval_precision/3": "precision",
+            "step_loss": "loss",
+        },
+        "order": ["loss", "accuracy", "precision"],
+    }
+
+
 def test_metrics_downsampled_keep_a_one_step_spike(served: tuple[DashboardServer, Path]) -> None:
     server, _ = served
     status, data, _ = _get(server, "/api/runs/1/metrics/step_loss?max_points=500")

@@ -56,11 +56,13 @@ PACKAGE_ALL = [
     "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
+    "WatchedRun",
     "__version__",
     "load_checkpoint",
     "save_checkpoint",
+    "watch",
 ]
-PACKAGE_SUBMODULES = {"amp", "dataset", "distributed", "monitor", "store", "train"}
+PACKAGE_SUBMODULES = {"amp", "dataset", "distributed", "monitor", "store", "train", "view"}
 
 
 def _python(code: str, timeout: float = 60) -> str:

@@ -50,8 +50,10 @@ if TYPE_CHECKING:
         TerminateOnNaN,
         TimeMonitor,
         TopKCategoricalAccuracy,
+        WatchedRun,
         load_checkpoint,
         save_checkpoint,
+        watch,
     )
     from .train.callback import CallbackParams
 
@@ -94,9 +96,11 @@ __all__ = [
     "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
+    "WatchedRun",
     "__version__",
     "load_checkpoint",
     "save_checkpoint",
+    "watch",
 ]
 
 # Importing the package loads none of these (nor PyTorch): each comes on first use.
@@ -130,8 +134,10 @@ _TRAIN_NAMES = (
     "TerminateOnNaN",
     "TimeMonitor",
     "TopKCategoricalAccuracy",
+    "WatchedRun",
     "load_checkpoint",
     "save_checkpoint",
+    "watch",
 )
 __getattr__, __dir__ = lazy_face(
     __name__,
@@ -148,6 +154,6 @@ __getattr__, __dir__ = lazy_face(
         "RunWriter": ".store",
         "Store": ".store",
     },
-    submodules=("amp", "dataset", "distributed", "monitor", "store", "train"),
+    submodules=("amp", "dataset", "distributed", "monitor", "store", "train", "view"),
 )
 del TYPE_CHECKING, lazy_face, _TRAIN_NAMES

@@ -30,34 +30,18 @@ __all__ = [
 # (label, {key: (steps, values)}): one run's curves.
 RunCurves = tuple[str, dict[str, tuple[Sequence[int], Sequence[float]]]]
 
-_LOSS_KEYS = (names.STEP_LOSS, names.LOSS, names.EVAL_LOSS, "epoch_loss")
 # Keys about the machinery rather than the model: left out of the picture.
 _LEFT_OUT = frozenset({names.STEP_TIME, names.LOSS_SCALE, names.SKIPPED_STEPS})
 _COLORS = ("#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#0a7b83", "#57606a")
 MAX_PANELS = 9
 
 
-def panel_of(key: str) -> str:
-    """The panel a value is drawn in: ``loss`` for every loss, ``learning rate``, else the
-    metric's base name (``eval_accuracy`` and ``train_accuracy`` share ``accuracy``)."""
-    if key in _LOSS_KEYS:
-        return "loss"
-    if key == names.LR:
-        return "learning rate"
-    base = key.split("/", 1)[0]
-    for prefix in ("train_", "eval_"):
-        if base.startswith(prefix):
-            return base[len(prefix) :]
-    return base
-
-
-def _panel_rank(panel: str) -> tuple[int, str]:
-    return (0 if panel == "loss" else 2 if panel == "learning rate" else 1, panel)
+panel_of = names.panel_of
 
 
 def _panels(runs: Sequence[RunCurves]) -> list[str]:
     found = {panel_of(key) for _, curves in runs for key in curves if key not in _LEFT_OUT}
-    return sorted(found, key=_panel_rank)[:MAX_PANELS]
+    return sorted(found, key=names.panel_order)[:MAX_PANELS]
 
 
 def _require_matplotlib() -> None:

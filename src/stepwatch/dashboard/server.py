@@ -11,6 +11,8 @@ API (every answer is JSON; non-finite numbers are ``null``):
   ``running`` run is ``crashed``), ``started``, ``ended``, ``duration``, ``steps``,
   ``loss_key``, ``last_loss``, ``best_loss``, ``config``.
 * ``GET /api/runs/{id}/keys`` - the metric keys of a run.
+* ``GET /api/runs/{id}/panels`` - ``{"panels": {key: chart}, "order": [chart, ...]}``: which
+  chart each key is drawn in, and the charts' order.
 * ``GET /api/runs/{id}/metrics/{key}?max_points=N&after=STEP&start=S&end=E`` -
   ``{"steps": [...], "values": [...]}``, min/max-downsampled to at most ``max_points``.
 * ``GET /api/runs/{id}/events`` - checkpoints, stop reasons, alerts.
@@ -37,6 +39,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from .._validation import check_int
+from ..monitor import values as names
 from ..store.reader import Store
 
 __all__ = [
@@ -113,6 +116,13 @@ class _Api:
 
     def keys(self, run: int) -> list[str]:
         return self.store.keys(run)
+
+    def panels(self, run: int) -> dict[str, Any]:
+        """Which chart each key of the run goes in, and the charts' order (the one rule,
+        :func:`stepwatch.monitor.values.panel_of`, that the PNG plots use too)."""
+        keys = self.store.keys(run)
+        panels = {key: names.panel_of(key) for key in keys}
+        return {"panels": panels, "order": sorted(set(panels.values()), key=names.panel_order)}
 
     def events(self, run: int) -> list[dict[str, Any]]:
         return self.store.events(run)
@@ -217,6 +227,7 @@ class _Handler(BaseHTTPRequestHandler):
         if len(segments) == 3 and segments[0] == "runs":
             handlers: dict[str, Callable[[int], Any]] = {
                 "keys": api.keys,
+                "panels": api.panels,
                 "events": api.events,
                 "summary": api.summary,
             }

@@ -45,6 +45,8 @@ __all__ = [
     "epoch_values",
     "eval_name",
     "metric_directions",
+    "panel_of",
+    "panel_order",
     "train_name",
 ]
 
@@ -126,6 +128,26 @@ def metric_directions(metrics: Mapping[str, Any]) -> dict[str, Direction]:
         if value in ("min", "max"):
             found[name] = value
     return found
+
+
+_LOSS_KEYS = frozenset({STEP_LOSS, LOSS, EVAL_LOSS, "epoch_loss"})
+LR_PANEL = "learning rate"
+
+
+def panel_of(key: str) -> str:
+    """The chart a value is drawn in (PNG plots and the dashboard alike): ``loss`` for every
+    loss, ``learning rate``, else the metric's base name (``eval_accuracy`` and
+    ``train_accuracy`` share ``accuracy``; ``eval_precision/3`` is ``precision``)."""
+    if key in _LOSS_KEYS:
+        return "loss"
+    if key == LR:
+        return LR_PANEL
+    return _base(key.split("/", 1)[0])
+
+
+def panel_order(panel: str) -> tuple[int, str]:
+    """Sort key of the charts: the loss first, the learning rate last, the rest by name."""
+    return (0 if panel == "loss" else 2 if panel == LR_PANEL else 1, panel)
 
 
 def _number(value: Any) -> float | None:

@@ -37,6 +37,7 @@ from .model import Model
 from .serialization import save_checkpoint
 from .state import load_checkpoint
 from .step import DynamicLossScaleManager, FixedLossScaleManager, LossScaleManager
+from .watched import WatchedRun, watch
 
 __all__ = [
     "MAE",
@@ -71,7 +72,9 @@ __all__ = [
     "Top1CategoricalAccuracy",
     "Top5CategoricalAccuracy",
     "TopKCategoricalAccuracy",
+    "WatchedRun",
     "load_checkpoint",
     "metrics",
     "save_checkpoint",
+    "watch",
 ]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..dataset import check_batch, dataset_size, feed, move
+from ..monitor import values as names
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .parallel import reduce_epoch
 from .parts import LOSS_CHUNK, Parts, evaluate_metric, fold_losses
@@ -108,11 +109,11 @@ def eval_pass(
         results = dict(metrics)
         cb_params.metrics = metrics  # from here on the values, as MindSpore has them
         if loss_sum is not None:
-            results["eval_loss"] = loss_sum / steps
+            results[names.EVAL_LOSS] = loss_sum / steps
         for name, value in metrics.items():
             if name != "loss":
                 setattr(cb_params, name, value)
-        cb_params.loss = results.get("eval_loss")
+        cb_params.loss = results.get(names.EVAL_LOSS)
         call("on_eval_epoch_end", run_context)
         cb_params.eval_results = results
         call("on_eval_end", run_context)

@@ -39,6 +39,8 @@ class RunView:
         tap: the step losses (:class:`~stepwatch.view.tap.LossTap`).
         alerts: the alert path (:class:`~stepwatch.view.alerts.AlertPath`).
         sink: the run store writer (``RunRecorder`` sets it on rank 0), or None.
+        rollbacks: ``(restored_step, at_step)`` for each rollback an action did: the state is
+            as after ``restored_step``; the steps after it up to ``at_step`` were undone.
         state: the training state (:class:`~stepwatch.train.state.TrainingState`) that
             rollbacks and snapshots capture and restore, or None when the host gives none.
     """
@@ -65,6 +67,8 @@ class RunView:
         self.tap = LossTap()
         self.alerts = AlertPath(self)
         self.sink: Any = None
+        # (restored_step, at_step) for each rollback an action did, in order.
+        self.rollbacks: list[tuple[int, int]] = []
 
     # -- where training is (read from cb_params, where the host sets it) ------------------------
     @property

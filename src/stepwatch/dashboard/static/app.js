@@ -13,6 +13,7 @@ const state = {
   selected: new Set(),
   series: new Map(), // "run|key" -> {steps, values, lastStep}
   keys: new Map(), // run -> [key]
+  panels: new Map(), // run -> {panels: {key: chart}, order: [chart]}
   events: new Map(), // run -> [event]
   summaries: new Map(), // run -> {time, steps, summary}
   charts: new Map(), // panel -> {plot, labels, div}
@@ -60,21 +61,18 @@ function fmtTime(t) {
   return `${d.getFullYear()}-${two(d.getMonth() + 1)}-${two(d.getDate())} ${two(d.getHours())}:${two(d.getMinutes())}`;
 }
 
-// -- which chart a value goes in ------------------------------------------------------------
-const LOSS_KEYS = new Set(["step_loss", "loss", "eval_loss", "epoch_loss"]);
-
-function panelOf(key) {
-  if (LOSS_KEYS.has(key)) return "loss";
-  if (key === "lr") return "learning rate";
-  const base = key.split("/", 1)[0];
-  for (const prefix of ["train_", "eval_"]) {
-    if (base.startsWith(prefix)) return base.slice(prefix.length);
-  }
-  return base;
+// -- which chart a value goes in: the server says (one rule for the page and the PNG plots) --
+function panelOf(run, key) {
+  const found = state.panels.get(run);
+  return (found && found.panels[key]) || key;
 }
 
 function panelOrder(name) {
-  return name === "loss" ? "0" : name === "learning rate" ? "2" : "1" + name;
+  for (const found of state.panels.values()) {
+    const at = found.order.indexOf(name);
+    if (at >= 0) return at;
+  }
+  return Number.MAX_SAFE_INTEGER;
 }
 
 // -- the runs table -------------------------------------------------------------------------
@@ -160,8 +158,13 @@ async function fetchSeries(run, key) {
 }
 
 async function loadRun(run) {
-  const [keys, events] = await Promise.all([getJSON(`api/runs/${run}/keys`), getJSON(`api/runs/${run}/events`)]);
+  const [keys, events, panels] = await Promise.all([
+    getJSON(`api/runs/${run}/keys`),
+    getJSON(`api/runs/${run}/events`),
+    getJSON(`api/runs/${run}/panels`),
+  ]);
   state.keys.set(run, keys);
+  state.panels.set(run, panels);
   state.events.set(run, events);
   await Promise.all(keys.filter((k) => !state.series.has(`${run}|${k}`)).map((k) => fetchSeries(run, k)));
 }
@@ -184,6 +187,7 @@ async function followLive(run) {
   // Only what is new: keys not seen yet in full, known keys after the last step held.
   const keys = await getJSON(`api/runs/${run}/keys`);
   state.keys.set(run, keys);
+  state.panels.set(run, await getJSON(`api/runs/${run}/panels`));
   state.events.set(run, await getJSON(`api/runs/${run}/events`));
   let changed = false;
   await Promise.all(
@@ -271,14 +275,14 @@ function panels() {
     for (const key of state.keys.get(run) || []) {
       const held = state.series.get(`${run}|${key}`);
       if (!held) continue;
-      const name = panelOf(key);
+      const name = panelOf(run, key);
       if (!byPanel.has(name)) byPanel.set(name, []);
       const info = runById(run);
       const label = runs.length > 1 ? `${run}:${info ? info.name : run} ${key}` : key;
       byPanel.get(name).push({ run, key, label, held, style: seriesStyle(run, key, runIndex) });
     }
   });
-  return new Map([...byPanel].sort((a, b) => panelOrder(a[0]).localeCompare(panelOrder(b[0]))));
+  return new Map([...byPanel].sort((a, b) => panelOrder(a[0]) - panelOrder(b[0]) || a[0].localeCompare(b[0])));
 }
 
 function chartData(entries) {

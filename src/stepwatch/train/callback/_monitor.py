@@ -10,6 +10,7 @@ from typing import Any
 
 from ..._validation import check_choice, check_number
 from ...monitor import values as names
+from ...view.run import view_of
 from ._callback import Callback, CallbackParams
 
 __all__ = ["MonitorCallback", "epoch_values"]
@@ -18,15 +19,9 @@ __all__ = ["MonitorCallback", "epoch_values"]
 def epoch_values(cb_params: CallbackParams) -> dict[str, float]:
     """Every number a monitor can name at the end of an epoch (see
     :mod:`stepwatch.monitor.values`): ``loss``, ``train_<metric>``, ``eval_loss``,
-    ``eval_<metric>``, and the bare ``<metric>`` (the validation value in a ``fit`` that
+    ``eval_<metric>``, and the bare ``<metric>`` (the validation value in a run that
     validates, else the training value)."""
-    return names.numeric(
-        names.epoch_values(
-            getattr(cb_params, "train_results", None),
-            getattr(cb_params, "eval_results", None),
-            validates=getattr(cb_params, "valid_dataset", None) is not None,
-        )
-    )
+    return view_of(cb_params).numbers()
 
 
 class MonitorCallback(Callback):
@@ -97,7 +92,7 @@ class MonitorCallback(Callback):
         value = values.get(self.monitor)
         # Between validation epochs a validation value is expected to be absent: stay quiet.
         validated = getattr(cb_params, "eval_results", None) is not None
-        expects_eval = getattr(cb_params, "valid_dataset", None) is not None
+        expects_eval = view_of(cb_params).validates
         if value is None and not self._warned_missing and (validated or not expects_eval):
             self._warned_missing = True
             bare = self.monitor.removeprefix("epoch_").removeprefix("val_")

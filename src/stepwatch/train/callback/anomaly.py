@@ -174,6 +174,16 @@ class AnomalyMonitor(Callback):
         self._keeps_state = any("rollback" in actions for actions in every_action)
         self._reset()
 
+    @property
+    def measures_gradients(self) -> bool:
+        """True when a gradient detector is on (the run must give the network)."""
+        return self._measures_grads
+
+    @property
+    def handles_nonfinite(self) -> bool:
+        """True when a non-finite loss is this monitor's to act on (LossMonitor leaves it)."""
+        return any(d.kind == "nonfinite" for d in self.detectors)
+
     def _reset(self) -> None:
         for detector in self.detectors:
             detector.reset()
@@ -449,6 +459,8 @@ class AnomalyMonitor(Callback):
             if isinstance(detector, Divergence):
                 detector.restart_level()
         now = p.cur_step_num
+        assert self._view is not None
+        self._view.rollbacks.append((at, now))
         return (
             f"rolled back to step {at} ({self.rollbacks} of {self.max_rollbacks}); "
             f"the batches of steps {at + 1}-{now} are skipped"

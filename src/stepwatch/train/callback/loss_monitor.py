@@ -28,8 +28,9 @@ class LossMonitor(Callback):
     at epoch 1 step 10, epoch 2 step 4, epoch 2 step 14). The loss is read from the device only
     on the steps that print. A NaN or infinite loss stops training with a ValueError: on a
     printing step, or at the latest at the end of the epoch (the epoch's mean loss is then not
-    finite), unless the run is already stopping for an anomaly (``AnomalyMonitor`` acted on
-    it). At the end of a ``fit`` epoch with validation it prints
+    finite), unless the run is already stopping for an anomaly, or an ``AnomalyMonitor`` that
+    watches for non-finite losses is in the run: then the line is printed and the decision is
+    the AnomalyMonitor's action. At the end of a ``fit`` epoch with validation it prints
     ``Eval result: epoch 1, metrics: {...}``.
 
     Under ``torch.distributed`` (pass it on every rank) the loss of a printing step is the mean
@@ -56,6 +57,7 @@ class LossMonitor(Callback):
         self._per_print_times = per_print_times
         self._schedule = Every(steps=per_print_times)
         self._printing = True
+        self._deferred = False
 
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -63,6 +65,9 @@ class LossMonitor(Callback):
         self._printing = cb_params.rank_id == 0 or self.all_ranks
         self._prefix = f"[rank {cb_params.rank_id}] " if self.all_ranks and self._world > 1 else ""
         self._schedule.reset(0)
+        # A monitor that acts on non-finite losses (AnomalyMonitor) decides: print, not raise.
+        others = cb_params.get("list_callback") or ()
+        self._deferred = any(getattr(cb, "handles_nonfinite", False) for cb in others)
         last_step = cb_params.initial_step + cb_params.epoch_num * cb_params.batch_num
         if self._per_print_times > last_step:
             warnings.warn(
@@ -84,7 +89,7 @@ class LossMonitor(Callback):
             checked = float(sum_across([loss])[0]) / self._world  # the cross-rank mean
             if not self.all_ranks:
                 loss = checked
-        if not math.isfinite(checked):
+        if not math.isfinite(checked) and not self._deferred:
             if run_context.stop_kind == "anomaly":
                 return  # already stopping for it
             raise _nonfinite_error(cb_params.cur_epoch_num, step_in_epoch)
@@ -95,7 +100,8 @@ class LossMonitor(Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
         epoch_loss = cb_params.train_results.get("loss")
-        handled = run_context.stop_kind == "anomaly"  # e.g. AnomalyMonitor stopped the run
+        # e.g. AnomalyMonitor stopped the run, or it is in the run to act on non-finite losses
+        handled = run_context.stop_kind == "anomaly" or self._deferred
         if epoch_loss is not None and not math.isfinite(epoch_loss) and not handled:
             raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
         eval_results = getattr(cb_params, "eval_results", None)

@@ -1,0 +1,390 @@
+"""``stepwatch.watch``: stepwatch's callbacks in a training loop you write yourself.
+
+The loop trains as it always did and tells the run what happened: ``run.step(loss)`` after each
+optimizer step, ``run.epoch_end(...)`` after each epoch. The run fills the same run view and
+cb_params as :class:`stepwatch.Model`'s loop, so every callback - LossMonitor, AnomalyMonitor,
+RunRecorder, ProgressBar, your own MindSpore-style ``Callback`` - works unchanged, and their
+actions reach the loop: a stop sets ``run.should_stop``, ``reduce_lr`` changes the optimizer,
+``rollback`` restores the network and optimizer in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._validation import _got, check_int
+from ..distributed import rank_and_world
+from ..view.run import RunView
+from .callback._callback import CallbackList, CallbackParams, RunContext, normalize_callbacks
+from .parts import Parts, new_cb_params
+
+__all__ = ["WatchedRun", "watch"]
+
+logger = logging.getLogger("stepwatch")
+
+_EVAL_PREFIX = "eval_"
+
+
+class WatchedRun:
+    """One run of a hand-written training loop, watched by stepwatch's callbacks.
+
+    Made by :func:`watch`; use it as a context manager. Between ``__enter__`` and
+    ``__exit__`` the callbacks' ``on_train_begin`` ... ``on_train_end`` hooks run as in
+    ``Model.train``: the epoch-begin hooks when an epoch's first step arrives, the step hooks
+    in :meth:`step`, the epoch-end hooks in :meth:`epoch_end`.
+
+    Attributes:
+        cb_params: the run's cb_params (the same fields ``Model.train`` gives callbacks).
+        run_context: the RunContext every hook receives.
+        view: the run view (:class:`stepwatch.view.RunView`).
+        rollbacks: ``(restored_step, at_step)`` for every rollback an action did: the network
+            and optimizer are as they were after ``restored_step``; the batches of the steps
+            after it, up to ``at_step``, were trained and undone.
+    """
+
+    def __init__(
+        self,
+        network: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        callbacks: list[Any],
+        epochs: int,
+        steps_per_epoch: int,
+        loss_fn: Any = None,
+        lr_scheduler: Any = None,
+        dataset: Any = None,
+    ) -> None:
+        self._network = network
+        self._optimizer = optimizer
+        self._callbacks = callbacks
+        self._epochs = epochs
+        self._steps_per_epoch = steps_per_epoch
+        self._loss_fn = loss_fn
+        self._lr_scheduler = lr_scheduler
+        self._dataset = dataset
+        self.rollbacks: list[tuple[int, int]] = []
+        self._state = "new"  # new -> running -> ended
+        self._in_epoch = False
+        self._epoch_steps = 0
+        self._warned_long_epoch = False
+        self._last_step_end = 0.0
+        self._stack = contextlib.ExitStack()
+        self.cb_params: CallbackParams
+        self.run_context: RunContext
+        self.view: RunView
+        self._cb_list: CallbackList
+
+    # -- what the loop reads ---------------------------------------------------------------------
+    @property
+    def should_stop(self) -> bool:
+        """True once a callback asked the run to stop: leave the loop."""
+        return self._state == "running" and self.run_context.stop_requested
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run was asked to stop (``'nonfinite at step 37'``), or None."""
+        return self.run_context.stop_reason if self._state != "new" else None
+
+    @property
+    def stop_kind(self) -> str | None:
+        """``'requested'``, ``'interrupted'`` or ``'anomaly'`` once a stop was asked, else None."""
+        return self.run_context.stop_kind if self._state != "new" else None
+
+    @property
+    def step_num(self) -> int:
+        """The global step of the last :meth:`step` (0 before the first)."""
+        return int(self.cb_params.cur_step_num) if self._state != "new" else 0
+
+    @property
+    def epoch_num(self) -> int:
+        """The current epoch, 1-based (0 before the first step)."""
+        return int(self.cb_params.cur_epoch_num) if self._state != "new" else 0
+
+    # -- the run ---------------------------------------------------------------------------------
+    def __enter__(self) -> WatchedRun:
+        if self._state != "new":
+            raise RuntimeError("this run was already started; call stepwatch.watch(...) again")
+        rank, world = rank_and_world()
+        network = self._network if self._network is not None else nn.Module()
+        parts = Parts(
+            network=network,
+            loss_fn=self._loss_fn,
+            optimizer=self._optimizer,
+            device=_device_of(network),
+            metrics={},
+            eval_network=network,
+        )
+        cb_list = CallbackList(self._callbacks, rank)
+        p = new_cb_params(parts, cb_list, rank, world)
+        p.mode = "train"
+        p.epoch_num = self._epochs
+        p.initial_epoch = 0
+        p.batch_num = self._steps_per_epoch
+        p.initial_step = 0
+        p.train_dataset = self._dataset
+        p.dataset_sink_mode = False
+        p.train_dataset_element = None
+        p.lr_scheduler = self._lr_scheduler
+        p.train_results = {}
+        p.run_view = self.view = RunView(
+            p, host="loop", rank=rank, world=world, grads=self._network is not None
+        )
+        self.cb_params, self._cb_list = p, cb_list
+        self.run_context = RunContext(p)
+        self._stack.enter_context(cb_list.entered())
+        self._state = "running"
+        try:
+            cb_list.call("on_train_begin", self.run_context)
+        except BaseException:
+            self._state = "ended"
+            self._stack.__exit__(*_exc_info())
+            raise
+        return self
+
+    def _begin_epoch(self) -> None:
+        p = self.cb_params
+        p.cur_epoch_num += 1
+        p.loss = None
+        p.__dict__.pop("eval_results", None)
+        self._in_epoch, self._epoch_steps = True, 0
+        self.view.tap.begin_epoch(p.cur_epoch_num, p.cur_step_num + 1)
+        self._cb_list.call("on_train_epoch_begin", self.run_context)
+        self._last_step_end = time.perf_counter()
+
+    def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> None:
+        """Tell the run that one optimizer step is done.
+
+        Call it after ``optimizer.step()`` (and before the next ``zero_grad``, so gradient
+        monitors can read the gradients). Nothing here waits for the device: the loss goes into
+        the run's loss tap as a detached tensor, and is read in batches.
+
+        Args:
+            loss: the step's loss, a single-value tensor (the one you called ``backward`` on).
+            outputs: the network's output for the batch (``cb_params.outputs``), optional.
+            batch: the batch (``cb_params.train_dataset_element``), optional.
+
+        Raises:
+            TypeError: ``loss`` is not a tensor. ValueError: it holds more than one value.
+            RuntimeError: the run is not open (outside ``with``, or after it ended).
+        """
+        if self._state != "running":
+            raise RuntimeError(
+                "run.step() was called outside the run: use it inside 'with stepwatch.watch(...) "
+                "as run:', before the block ends."
+                if self._state == "ended"
+                else "run.step() was called before the run started: enter it first with "
+                "'with stepwatch.watch(...) as run:'."
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"run.step()'s 'loss' must be the step's loss tensor (the one backward() was "
+                f"called on), but got {_got(loss)}; pass the tensor, not loss.item()."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"run.step()'s 'loss' must hold one value, but got a tensor of shape "
+                f"{tuple(loss.shape)}; pass the reduced loss (e.g. loss.mean())."
+            )
+        if not self._in_epoch:
+            self._begin_epoch()
+        p, fns = self.cb_params, self._cb_list.fns
+        step = p.cur_step_num + 1
+        self._epoch_steps += 1
+        if self._epoch_steps > self._steps_per_epoch and not self._warned_long_epoch:
+            self._warned_long_epoch = True
+            warnings.warn(
+                f"epoch {p.cur_epoch_num} has more steps than steps_per_epoch="
+                f"{self._steps_per_epoch}; step numbers within the epoch will be off. Pass "
+                "watch(..., steps_per_epoch=len(loader)) and call run.epoch_end() after each "
+                "epoch.",
+                UserWarning,
+                stacklevel=2,
+            )
+        p.cur_step_num = p.progress.trained_step = step
+        p.train_dataset_element = batch
+        detached = loss.detach()
+        tap = self.view.tap
+        tap.pending.append(detached)
+        if step % tap.interval == 0:
+            tap.cut()
+        p.loss_tensor = detached
+        p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
+        now = time.perf_counter()
+        p.step_time = now - self._last_step_end
+        rolled = self.view.rollbacks
+        seen = len(rolled)
+        try:
+            # The step has already run: its begin hooks see it just before its end hooks.
+            for fn in fns["on_train_step_begin"]:
+                fn(self.run_context)
+            for fn in fns["on_train_step_end"]:
+                fn(self.run_context)
+        except BaseException as exc:
+            self._cb_list.annotate(exc)
+            raise
+        if len(rolled) > seen:
+            self.rollbacks.extend(rolled[seen:])
+        self._last_step_end = time.perf_counter()
+
+    def epoch_end(self, loss: float | None = None, **values: float) -> None:
+        """Tell the run that an epoch is done, with its values.
+
+        The epoch's mean training loss is computed from the steps' losses (one host read);
+        ``loss`` replaces it. Other values are named as stepwatch names them: ``eval_loss``,
+        ``eval_<metric>`` (validation values: ``cb_params.eval_results``) and
+        ``train_<metric>`` or a bare ``<metric>`` (training values:
+        ``cb_params.train_results``). Once a run gets a validation value it validates, so a
+        bare metric name in ``EarlyStopping(monitor=...)`` means its validation value.
+
+        Raises:
+            RuntimeError: the run is not open. TypeError: a value is not a number.
+        """
+        if self._state != "running":
+            raise RuntimeError(
+                "run.epoch_end() was called outside the run: use it inside 'with "
+                "stepwatch.watch(...) as run:'."
+            )
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+                raise TypeError(
+                    f"run.epoch_end()'s {name!r} must be a number, but got {_got(value)}."
+                )
+        if loss is not None and not isinstance(loss, (int, float, torch.Tensor)):
+            raise TypeError(f"run.epoch_end()'s 'loss' must be a number, but got {_got(loss)}.")
+        if not self._in_epoch:
+            self._begin_epoch()
+        p = self.cb_params
+        total = self.view.tap.end_epoch()
+        train: dict[str, Any] = {}
+        if loss is not None:
+            train["loss"] = float(loss)
+        elif total is not None and self._epoch_steps:
+            train["loss"] = float(total) / self._epoch_steps
+        evals: dict[str, Any] = {}
+        for name, value in values.items():
+            number = float(value)
+            if name.startswith(_EVAL_PREFIX):
+                key = name if name == "eval_loss" else name[len(_EVAL_PREFIX) :]
+                evals[key] = number
+            else:
+                train[name.removeprefix("train_")] = number
+        p.train_results = train
+        p.loss = train.get("loss")
+        if evals:
+            self.view.validates = True
+            p.eval_results = evals
+        self._in_epoch = False
+        self._cb_list.call("on_train_epoch_end", self.run_context)
+        p.__dict__.pop("eval_results", None)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._state != "running":
+            return
+        try:
+            if exc_type is None:
+                if self._in_epoch and self._epoch_steps:
+                    self.epoch_end()  # the last epoch's values, as Model.train has them
+                self._cb_list.call("on_train_end", self.run_context)
+        except BaseException:
+            self._state = "ended"
+            self._stack.__exit__(*_exc_info())
+            raise
+        self._state = "ended"
+        self._stack.__exit__(exc_type, exc, tb)
+        if self.run_context.stop_requested:
+            p = self.cb_params
+            logger.info(
+                "training stopped at epoch %d, step %d: %s",
+                p.cur_epoch_num,
+                p.cur_step_num,
+                self.run_context.stop_reason or "a callback requested a stop",
+            )
+
+
+def _exc_info() -> tuple[Any, Any, Any]:
+    import sys
+
+    return sys.exc_info()
+
+
+def _device_of(network: nn.Module) -> torch.device:
+    for tensor in network.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def watch(
+    network: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    callbacks: Any = None,
+    *,
+    epochs: int = 1,
+    steps_per_epoch: int,
+    loss_fn: Any = None,
+    lr_scheduler: Any = None,
+    dataset: Any = None,
+) -> WatchedRun:
+    """Watch a training loop you write yourself with stepwatch's callbacks.
+
+    Args:
+        network: the network you train (gradient detectors, rollback and snapshots need it).
+        optimizer: its optimizer (``reduce_lr``, rollback and the recorded ``lr`` need it).
+        callbacks: a Callback or a list of them, as for ``Model.train``.
+        epochs: the epochs the loop will run (for progress, and the run's config).
+        steps_per_epoch: optimizer steps per epoch, e.g. ``len(loader)``.
+        loss_fn: the loss function (``cb_params.loss_fn``), optional.
+        lr_scheduler: a torch LR scheduler you step yourself; rollback restores it too.
+        dataset: the training data (``cb_params.train_dataset``; a DataLoader's generators are
+            then part of the state snapshots save), optional.
+
+    Returns:
+        A :class:`WatchedRun`: use it as a context manager and call ``run.step(loss)`` after
+        each optimizer step and ``run.epoch_end(...)`` after each epoch.
+
+    Raises:
+        TypeError / ValueError: an argument of the wrong type or value, naming it; a callback
+            that measures gradients (``AnomalyMonitor``'s gradient detectors) with no
+            ``network``.
+
+    Example:
+        >>> run = stepwatch.watch(net, opt, callbacks=[LossMonitor(100), AnomalyMonitor()],
+        ...                       epochs=3, steps_per_epoch=len(loader))
+        >>> with run:
+        ...     for epoch in range(3):
+        ...         for x, y in loader:
+        ...             opt.zero_grad(); loss = loss_fn(net(x), y); loss.backward(); opt.step()
+        ...             run.step(loss)
+        ...             if run.should_stop: break
+        ...         run.epoch_end(eval_loss=evaluate(net))
+        ...         if run.should_stop: break
+    """
+    if network is not None and not isinstance(network, nn.Module):
+        raise TypeError(
+            f"watch()'s 'network' must be a torch.nn.Module or None, but got {_got(network)}."
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"watch()'s 'optimizer' must be a torch.optim.Optimizer or None, but got "
+            f"{_got(optimizer)}."
+        )
+    cbs = normalize_callbacks(callbacks)
+    epochs = check_int("epochs", epochs, minimum=1)
+    steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+    if network is None:
+        for cb in cbs:
+            if getattr(cb, "measures_gradients", False):
+                raise ValueError(
+                    f"{type(cb).__name__} measures gradients, which needs the network: pass "
+                    "watch(network, optimizer, ...), or leave the gradient detectors out "
+                    "(AnomalyMonitor(detectors=['nonfinite', 'spike', 'divergence', "
+                    "'plateau']))."
+                )
+    return WatchedRun(
+        network, optimizer, cbs, epochs, steps_per_epoch, loss_fn, lr_scheduler, dataset
+    )

@@ -1,0 +1,235 @@
+"""stepwatch.watch: the callbacks of Model.train in a training loop written by hand."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import stepwatch
+from stepwatch import AnomalyMonitor, Callback, LossMonitor, RunRecorder, Store
+from stepwatch.monitor import values
+
+
+class SeedStyle(Callback):
+    """A MindSpore-style user callback, as the seed writes them (old hook names)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, float]] = []
+        self.epochs: list[int] = []
+
+    def step_end(self, run_context: Any) -> None:
+        cb_params = run_context.original_args()
+        loss = cb_params.net_outputs
+        if isinstance(loss, stepwatch.Tensor):
+            loss = loss.asnumpy()
+        self.seen.append((cb_params.cur_step_num, cb_params.cur_epoch_num, float(loss)))
+
+    def epoch_end(self, run_context: Any) -> None:
+        self.epochs.append(run_context.original_args().cur_epoch_num)
+
+
+def _data(n: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = (x.sum(1, keepdim=True) > 0).float()
+    return [(x[i : i + 4], y[i : i + 4]) for i in range(0, n, 4)]
+
+
+def _train(
+    tmp_path: Path, callbacks: list[Any], poison: dict[int, float], epochs: int = 3
+) -> tuple[Any, list[float], nn.Module, torch.optim.Optimizer, list[int]]:
+    """The hand-written loop: 16 batches an epoch; ``poison`` scales the loss at some steps
+    (a NaN or a spike), the way a bad batch would."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    loss_fn = nn.MSELoss()
+    loader = _data()
+    computed: list[float] = []
+    stopped_in: list[int] = []
+    run = stepwatch.watch(net, opt, callbacks=callbacks, epochs=epochs,
+                          steps_per_epoch=len(loader))  # fmt: skip
+    with run:
+        for epoch in range(epochs):
+            for x, y in loader:
+                opt.zero_grad()
+                loss = loss_fn(net(x), y) * poison.get(len(computed) + 1, 1.0)
+                loss.backward()
+                opt.step()
+                computed.append(loss.item())
+                run.step(loss)
+                if run.should_stop:
+                    break
+            with torch.no_grad():
+                val = float(sum(loss_fn(net(x), y) for x, y in loader) / len(loader))
+            run.epoch_end(eval_loss=val)
+            if run.should_stop:
+                stopped_in.append(epoch + 1)
+                break
+    return run, computed, net, opt, stopped_in
+
+
+def test_a_hand_written_loop_is_watched_like_model_train(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "runs.db"
+    user = SeedStyle()
+    recorder = RunRecorder(db=db, run_name="hand")
+    run, computed, *_ = _train(tmp_path, [LossMonitor(10), AnomalyMonitor(), recorder, user], {})
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("epoch:")]
+    # MindSpore's lines, on the global-step cadence (16 steps an epoch).
+    assert [re.match(r"epoch: (\d+) step: (\d+), loss is", line).groups() for line in lines] == [
+        ("1", "10"), ("2", "4"), ("2", "14"), ("3", "8"),
+    ]  # fmt: skip
+    assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
+    # The user's callback saw every step, numbered as Model.train numbers them.
+    assert [s for s, _, _ in user.seen] == list(range(1, 49))
+    assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
+    np.testing.assert_allclose([v for _, _, v in user.seen], computed, rtol=1e-6)
+    assert user.epochs == [1, 2, 3]
+    assert not run.should_stop and run.stop_reason is None
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "finished" and info.config["host"] == "loop"
+        steps, losses = store.metrics(info.id, values.STEP_LOSS)
+        assert steps.tolist() == list(range(1, 49))
+        np.testing.assert_allclose(losses, computed, rtol=1e-6)  # the losses the loop computed
+        epoch_steps, epoch_losses = store.metrics(info.id, values.LOSS)
+        assert epoch_steps.tolist() == [16, 32, 48]
+        np.testing.assert_allclose(epoch_losses[0], np.mean(computed[:16]), rtol=1e-5)
+        assert len(store.metrics(info.id, values.EVAL_LOSS)[0]) == 3
+        assert store.metrics(info.id, values.LR)[1][-1] == pytest.approx(0.05)
+
+
+def test_a_nan_stops_the_loop_and_the_run_is_stored_as_an_anomaly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    monitor = AnomalyMonitor(action={"nonfinite": "stop"})
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        # LossMonitor prints the NaN step (step 20) and leaves the decision to AnomalyMonitor.
+        run, computed, *_ = _train(tmp_path, [LossMonitor(10), monitor, recorder],
+                                   {20: math.nan})  # fmt: skip
+    assert "epoch: 2 step: 4, loss is nan" in capsys.readouterr().out
+    assert run.should_stop is False  # the run has ended: nothing left to stop
+    assert run.stop_kind == "anomaly" and run.stop_reason == "nonfinite at step 20"
+    # Losses are read every 8 steps: the stop comes at step 24, within the 8 steps promised.
+    assert len(computed) == 24
+    assert [a.kind for a in monitor.alerts] == ["nonfinite"]
+    assert "stopping training" in caplog.text
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "anomaly"
+        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
+        assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
+            (20, "nonfinite", ["stopping training"])
+        ]
+        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, 25))
+
+
+def test_a_spike_rolls_the_network_and_optimizer_back(tmp_path: Path) -> None:
+    monitor = AnomalyMonitor(
+        detectors={"spike": {"window": 20}}, action={"spike": "rollback"}, rollback_every=8
+    )
+    run, computed, net, _, _ = _train(tmp_path, [monitor], {30: 1e4})
+    assert [a.kind for a in monitor.alerts] == ["spike"] and monitor.rollbacks == 1
+    # The spike at step 30 was read at step 32; the copy of step 24 (the newest before 30)
+    # was restored and the run went on with the next batches.
+    assert run.rollbacks == [(24, 32)]
+    assert "rolled back to step 24" in monitor.outcomes[0]
+    assert len(computed) == 48 and not run.stop_kind
+    # The state really is the restored one followed by the steps after it: replaying steps
+    # 1-24 and 33-48 without the spike gives the same weights.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    loader = _data()
+    step = 0
+    for _ in range(3):
+        for x, y in loader:
+            step += 1
+            if 24 < step <= 32:
+                continue
+            ref_opt.zero_grad()
+            nn.MSELoss()(ref(x), y).backward()
+            ref_opt.step()
+    for a, b in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_reduce_lr_changes_the_loops_optimizer_and_snapshot_writes_a_loadable_file(
+    tmp_path: Path,
+) -> None:
+    monitor = AnomalyMonitor(
+        detectors={"spike": {"window": 20}}, action={"spike": ["reduce_lr", "snapshot"]},
+        snapshot_dir=tmp_path / "snap", lr_factor=0.5,
+    )  # fmt: skip
+    _, _, _, opt, _ = _train(tmp_path, [monitor], {30: 1e4})
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+    (path,) = (tmp_path / "snap").glob("*.pt")
+    state = stepwatch.load_checkpoint(
+        path, nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    )
+    assert state["step"] == 32
+
+
+def test_an_exception_in_the_loop_marks_the_run_failed_with_its_steps(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    run = stepwatch.watch(net, opt, [recorder], steps_per_epoch=10)
+    with pytest.raises(RuntimeError, match="data loader broke"), run:
+        for i in range(5):
+            loss = net(torch.ones(1, 2)).pow(2).mean().detach() * (i + 1)
+            run.step(loss)
+        raise RuntimeError("data loader broke")
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "failed"
+        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == [1, 2, 3, 4, 5]
+
+
+def test_wrong_use_gets_a_clear_error() -> None:
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"'network' must be a torch\.nn\.Module"):
+        stepwatch.watch("net", opt, steps_per_epoch=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"'optimizer' must be a torch\.optim\.Optimizer"):
+        stepwatch.watch(net, 0.1, steps_per_epoch=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'steps_per_epoch' must be an int"):
+        stepwatch.watch(net, opt, steps_per_epoch=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'epochs' must be an int >= 1"):
+        stepwatch.watch(net, opt, epochs=0, steps_per_epoch=4)
+    with pytest.raises(TypeError, match="not an instance"):
+        stepwatch.watch(net, opt, [LossMonitor], steps_per_epoch=4)
+    with pytest.raises(ValueError, match="measures gradients, which needs the network"):
+        stepwatch.watch(None, opt, [AnomalyMonitor()], steps_per_epoch=4)
+    stepwatch.watch(None, opt, [AnomalyMonitor(detectors=["nonfinite"])], steps_per_epoch=4)
+
+    run = stepwatch.watch(net, opt, steps_per_epoch=4)
+    loss = net(torch.ones(1, 2)).sum()
+    with pytest.raises(RuntimeError, match="before the run started"):
+        run.step(loss)
+    with run:
+        with pytest.raises(TypeError, match=r"pass the tensor, not loss.item\(\)"):
+            run.step(loss.item())  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="must hold one value"):
+            run.step(torch.ones(3))
+        with pytest.raises(TypeError, match="'eval_loss' must be a number"):
+            run.epoch_end(eval_loss="low")  # type: ignore[arg-type]
+        run.step(loss)
+    with pytest.raises(RuntimeError, match="outside the run"):
+        run.step(loss)
+    with pytest.raises(RuntimeError, match="already started"):
+        run.__enter__()
