@@ -37,6 +37,11 @@ Configurations:
   its plain-line mode; the bar itself needs a terminal).
 * ``i rec+plot`` - ``d`` plus ``PlotMonitor`` (every 30 s: within a timed epoch it only
   gathers values; the picture is drawn on its own thread).
+* ``j rec+anom+prog`` - ``Model.train`` with ``RunRecorder(every_n_steps=1)``,
+  ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
+* ``k watch`` - the raw loop of ``a`` with ``stepwatch.watch`` and the callbacks of ``j``
+  (``run.step(loss)`` after each step), timed around the loop; paired with the same loop over
+  the same network and optimizer without ``watch``.
 * ``e lightning`` - a ``lightning.pytorch.Trainer`` fitting one epoch of a LightningModule
   whose ``training_step`` calls ``self.log('loss', loss)``; timed from a Lightning callback
   (``on_train_epoch_start`` / ``on_train_epoch_end``), so ``fit`` setup is left out.
@@ -52,6 +57,7 @@ Usage::
     python bench/overhead.py               # 10 rounds of 2000 steps (plus a warm-up round)
     python bench/overhead.py --quick       # 2 rounds of 300 steps: a smoke check
     python bench/overhead.py --rounds 9 --steps 4000
+    python bench/overhead.py --only a,b,d,j,k   # some configurations only
 """
 
 from __future__ import annotations
@@ -86,7 +92,13 @@ LR = 0.01
 SEED = 0
 
 # Goals: minimum median ratio to raw, per configuration.
-GOALS = {"b stepwatch": 0.97, "c stepwatch+cb": 0.95, "d stepwatch+rec": 0.95}
+GOALS = {
+    "b stepwatch": 0.97,
+    "c stepwatch+cb": 0.95,
+    "d stepwatch+rec": 0.95,
+    "j rec+anom+prog": 0.95,
+    "k watch": 0.95,
+}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 EpochRunner = Callable[[], float]  # runs one epoch, returns its seconds
@@ -214,6 +226,8 @@ def stepwatch_recorder_runner(
             callbacks.append(stepwatch.ProgressBar(file=sink))
         elif extra == "plot":
             callbacks.append(stepwatch.PlotMonitor(os.path.join(folder.name, "curves.png")))
+        elif extra == "watchers":
+            callbacks = _watchers(db, sink)
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
@@ -235,6 +249,52 @@ def stepwatch_progress_runner(work: Workload) -> EpochRunner:
 
 def stepwatch_plot_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, extra="plot")
+
+
+def _watchers(db: str, sink: Any) -> list[stepwatch.Callback]:
+    """The monitors of the issue's goal: the store, the detectors and a progress display."""
+    return [
+        stepwatch.RunRecorder(db=db, every_n_steps=1),
+        stepwatch.AnomalyMonitor(),
+        stepwatch.ProgressBar(file=sink),
+    ]
+
+
+def stepwatch_watchers_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, extra="watchers")
+
+
+def watch_runner(work: Workload) -> EpochRunner:
+    """The raw loop with ``stepwatch.watch`` and the monitors of ``j``, paired with the same
+    loop (same network and optimizer) without them."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = work.batches
+    folder = tempfile.TemporaryDirectory(prefix="stepwatch-bench-")
+    sink = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the runner
+
+    def run() -> float:
+        db = os.path.join(folder.name, "bench.db")
+        watched = stepwatch.watch(
+            model, opt, _watchers(db, sink), epochs=1, steps_per_epoch=len(batches)
+        )
+        with watched:
+            model.train()
+            start = time.perf_counter()
+            for x, y in batches:
+                opt.zero_grad()
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                watched.step(loss)
+            seconds = time.perf_counter() - start
+            watched.epoch_end()
+        return seconds
+
+    run.raw = raw_runner(work, model, opt)  # type: ignore[attr-defined]
+    run.keep = (folder, sink)  # type: ignore[attr-defined]
+    return run
 
 
 class _Batches:
@@ -371,6 +431,8 @@ CONFIGS = [
     Config("g rec+anomaly", "epoch hooks (callback)", stepwatch_anomaly_runner),
     Config("h rec+progress", "epoch hooks (callback)", stepwatch_progress_runner),
     Config("i rec+plot", "epoch hooks (callback)", stepwatch_plot_runner),
+    Config("j rec+anom+prog", "epoch hooks (callback)", stepwatch_watchers_runner),
+    Config("k watch", "the loop itself", watch_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),
 ]
@@ -452,7 +514,7 @@ def report(results: list[Samples], steps: int) -> None:
         )
     print()
     print("b is timed as the whole train() call (setup included, well under 1 ms per call);")
-    print("c to f are timed from their framework's epoch hooks; a is the bare loop.")
+    print("c to j are timed from their framework's epoch hooks; a and k around the loop.")
     print()
     for name, goal in GOALS.items():
         key = name.split()[0]
@@ -468,7 +530,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=10, help="measured rounds (default 10)")
     parser.add_argument("--steps", type=int, default=2000, help="steps per epoch (default 2000)")
     parser.add_argument("--quick", action="store_true", help="rounds=2, steps=300: smoke check")
+    parser.add_argument(
+        "--only", help="comma-separated config letters to run (e.g. a,b,d,j,k); default all"
+    )
     args = parser.parse_args(argv)
+    if args.only:
+        wanted = {part.strip() for part in args.only.split(",")}
+        CONFIGS[:] = [c for c in CONFIGS if c.name.split()[0] in wanted]
     rounds, steps = (2, 300) if args.quick else (args.rounds, args.steps)
     if rounds < 1 or steps < 1:
         parser.error("--rounds and --steps must be at least 1")

@@ -233,3 +233,18 @@ def test_wrong_use_gets_a_clear_error() -> None:
         run.step(loss)
     with pytest.raises(RuntimeError, match="already started"):
         run.__enter__()
+
+
+def test_the_hand_loop_example_stops_on_its_nan_and_stores_an_anomaly(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    db = tmp_path / "runs.db"
+    result = subprocess.run(
+        [sys.executable, str(root / "examples" / "hand_loop.py"), str(db)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "stopped: nonfinite at step 26 (anomaly) after 26 steps" in result.stdout
+    assert "stored as run 1 (hand-loop-nan): anomaly, 26 steps" in result.stdout
