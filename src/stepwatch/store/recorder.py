@@ -47,8 +47,8 @@ def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
     return {key: d for key, d in sorted(found.items()) if d is not None}
 
 
-# When recording every step, the clock is read once per this many steps (to transfer at least
-# every flush period when steps are slow); when sampling, at every recorded step.
+# The clock is read once per this many steps (to transfer at least every flush period when
+# steps are slow); the losses are cut into chunks once per transfer.
 _CLOCK_EVERY = 16
 
 
@@ -182,8 +182,14 @@ class RunRecorder(Callback):
         self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
-        # A look at the clock per chunk: the tap cuts one at least every 16 steps.
-        view.tap.subscribe(min(_CLOCK_EVERY, self.transfer_every), self._take)
+        # A chunk per transfer; a look at the clock every 16 steps, so that slow steps are
+        # still written within the flush period.
+        view.tap.subscribe(
+            self.transfer_every, self._take, due=self._flush_due, look_every=_CLOCK_EVERY
+        )
+
+    def _flush_due(self) -> bool:
+        return time.monotonic() - self._last_transfer >= self.flush_seconds
 
     def _take(self, chunk: Chunk) -> None:
         """A chunk of step losses from the tap: keep it; hand the kept ones to the writer when

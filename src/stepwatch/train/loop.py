@@ -314,7 +314,7 @@ def train_epoch(
             detached = loss.detach()
             pending.append(detached)
             if step % interval == 0:
-                tap.cut()
+                tap.tick()
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)

@@ -212,7 +212,7 @@ class WatchedRun:
         tap = self.view.tap
         tap.pending.append(detached)
         if step % tap.interval == 0:
-            tap.cut()
+            tap.tick()
         p.loss_tensor = detached
         p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
         now = time.perf_counter()

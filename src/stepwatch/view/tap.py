@@ -85,37 +85,58 @@ class LossTap:
         interval: the chunk interval with no subscriber (default 256).
 
     The host side pushes with :meth:`push` (or a loop appends to :attr:`pending`, which stays
-    the same list, and calls :meth:`cut` when ``step % interval == 0``); monitors
+    the same list, and calls :meth:`tick` when ``step % interval == 0``); monitors
     :meth:`subscribe` with the interval they need and get every chunk handed to them as it is
     cut.
     """
 
     def __init__(self, interval: int = DEFAULT_INTERVAL) -> None:
         self._base = 1 << (interval.bit_length() - 1)
-        self.interval = interval
+        self.interval = self._base  # the host calls tick() at the multiples of this
+        self.every = self._base  # a chunk is cut at the multiples of this
         self.pending: list[Any] = []
         self.next_step = 1  # the global step of pending[0]
         self.epoch = 0
         self.total: torch.Tensor | None = None  # the epoch's loss sum so far, on the device
         self.last: Any = None  # the newest loss cut into a chunk
-        self._subscribers: list[tuple[int, Subscriber]] = []
+        self._subscribers: list[tuple[int, int, Subscriber, Callable[[], bool] | None]] = []
+        self._dues: list[Callable[[], bool]] = []
         self._span_start = time.time()
 
     # -- subscribing ----------------------------------------------------------------------------
-    def subscribe(self, every: int, fn: Subscriber) -> None:
+    def subscribe(
+        self,
+        every: int,
+        fn: Subscriber,
+        *,
+        due: Callable[[], bool] | None = None,
+        look_every: int | None = None,
+    ) -> None:
         """Hand every chunk to ``fn``; chunks are cut at least every ``every`` steps (at the
-        multiples of ``every`` rounded down to a power of two) and at each epoch's end."""
+        multiples of ``every`` rounded down to a power of two) and at each epoch's end.
+
+        ``due``, asked every ``look_every`` steps (a power of two too), may ask for a chunk
+        early (a recorder whose flush period has passed on slow steps): a look costs a call,
+        a chunk costs a stack and a sum on the device.
+        """
         if every < 1:
             raise ValueError(f"'every' must be an int >= 1, but got {every!r}.")
         # Rounded down to a power of two, so the shortest interval divides every other one:
         # the tap cuts at each subscriber's multiples, the same steps on every rank.
-        every = 1 << (every.bit_length() - 1)
-        self._subscribers.append((every, fn))
-        self.interval = min(self._base, *(e for e, _ in self._subscribers))
+        every = _power_of_two(every)
+        look = _power_of_two(look_every) if due is not None and look_every else every
+        self._subscribers.append((every, look, fn, due))
+        self._retune()
 
     def unsubscribe(self, fn: Subscriber) -> None:
-        self._subscribers = [(e, f) for e, f in self._subscribers if f != fn]
-        self.interval = min([self._base, *(e for e, _ in self._subscribers)])
+        self._subscribers = [entry for entry in self._subscribers if entry[2] != fn]
+        self._retune()
+
+    def _retune(self) -> None:
+        subs = self._subscribers
+        self.every = min([self._base, *(e for e, _, _, _ in subs)])
+        self.interval = min([self.every, *(look for _, look, _, _ in subs)])
+        self._dues = [due for _, _, _, due in subs if due is not None]
 
     @property
     def read(self) -> bool:
@@ -138,6 +159,12 @@ class LossTap:
         pending = self.pending
         pending.append(loss)
         if (self.next_step + len(pending) - 1) % self.interval == 0:
+            self.tick()
+
+    def tick(self) -> None:
+        """Called by the host at the multiples of :attr:`interval`: cut a chunk at the
+        multiples of :attr:`every`, or when a subscriber's ``due`` asks for one."""
+        if self.pushed_step % self.every == 0 or any(due() for due in self._dues):
             self.cut()
 
     @property
@@ -173,7 +200,7 @@ class LossTap:
         chunk = Chunk(range(first, self.next_step), self.epoch, device, host, ready,
                       (self._span_start, now))  # fmt: skip
         self._span_start = now
-        for _, fn in self._subscribers:
+        for _, _, fn, _ in self._subscribers:
             fn(chunk)
         return chunk
 
@@ -182,3 +209,8 @@ class LossTap:
         self.cut()
         total, self.total = self.total, None
         return total
+
+
+def _power_of_two(n: int) -> int:
+    """``n`` rounded down to a power of two."""
+    return 1 << (n.bit_length() - 1)
