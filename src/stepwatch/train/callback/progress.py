@@ -187,8 +187,10 @@ class ProgressBar(Callback):
             cb_params = run_context.cb_params
             step = cb_params.cur_step_num
             if self._plain.due(step) and not cb_params.last_step_of_epoch:
-                assert self._view is not None
-                self._plain_line(cb_params, step, float(self._view.tap.latest))
+                latest = self._view.tap.latest if self._view is not None else None
+                if latest is None:  # a cb_params built by hand: nobody feeds the tap
+                    latest = cb_params.loss_tensor
+                self._plain_line(cb_params, step, float(latest))
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
