@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from stepwatch.store import RunWriter
-from stepwatch.store._schema import connect_for_writing
+from stepwatch.store.backends.sqlite_schema import connect_for_writing
 
 Result = tuple[float, float]  # (seconds in the loop, seconds end to end)
 

@@ -16,6 +16,7 @@ import pytest
 from stepwatch import RunWriter, Store
 from stepwatch._format import duration, number, table
 from stepwatch.cli import main
+from stepwatch.store.backends.sqlite_read import SQLiteStore
 
 from .conftest import run_cli
 from .test_reader import write_run
@@ -310,7 +311,7 @@ def test_any_failure_is_one_line_and_exit_2(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("disk on fire\nsecond line")
 
-    monkeypatch.setattr(Store, "summary", broken)
+    monkeypatch.setattr(SQLiteStore, "summary", broken)  # what Store(path) opens
     code, _, err = cli(capsys, "show", "1", "--db", str(db))
     assert code == 2
     one_line_error(err, "stepwatch show: RuntimeError: disk on fire second line")
@@ -318,7 +319,7 @@ def test_any_failure_is_one_line_and_exit_2(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(Store, "runs_summary", interrupted)
+    monkeypatch.setattr(SQLiteStore, "runs_summary", interrupted)
     code, _, err = cli(capsys, "runs", "--db", str(db))
     assert code == 130 and err == "stepwatch runs: interrupted\n"
 

@@ -247,12 +247,13 @@ def test_inserts_stay_within_sqlites_parameter_limit(tmp_path: Path, limit: int,
     import sqlite3
 
     from stepwatch import RunWriter
-    from stepwatch.store.writer import _rows_per_insert
+    from stepwatch.store.backends.sqlite_write import _rows_per_insert
 
     writer = RunWriter(tmp_path / "s.db", flush_seconds=30)
-    writer._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
-    writer._rows_per_insert = _rows_per_insert(writer._conn)
-    assert writer._rows_per_insert == rows
+    backend = writer._backend  # the SQLite backend: it holds the connection
+    backend._conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, limit)
+    backend._rows_per_insert = _rows_per_insert(backend._conn)
+    assert backend._rows_per_insert == rows
     for step in range(301):  # 301 = 256 + 32 + 8 + 4 + 1 rows: statements of each size
         writer.log("x", step * 0.5, step)
     writer.log_batch("y", range(1000), np.arange(1000.0))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from stepwatch import RunWriter, Store
-from stepwatch.store import _rollup
+from stepwatch.store.backends import sqlite_rollup as _rollup
 from stepwatch.store.reader import delete_runs
 
 N = 60_000
@@ -59,7 +59,7 @@ def _exact(store: Store, key: str, max_points: int, align: int, **bounds: Any) -
             return conn.execute(
                 f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", args
             ).fetchall()
-        return Store._buckets(conn, where, args, max_points, lo, hi, align=align)
+        return type(store)._buckets(conn, where, args, max_points, lo, hi, align=align)
 
 
 def _pairs(steps: np.ndarray, values: np.ndarray) -> list[tuple[int, float | None]]:

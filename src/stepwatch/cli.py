@@ -147,7 +147,7 @@ def _run(store: Store, ref: str) -> RunInfo:
         return store.run(ref)
     except KeyError:
         known = ", ".join(str(r.id) for r in store.runs(last=10)) or "none"
-        raise _UsageError(f"no run {ref!r} in {store.path} (recent ids: {known})") from None
+        raise _UsageError(f"no run {ref!r} in {store.location} (recent ids: {known})") from None
 
 
 def _loss_cells(loss: LossStats | None) -> tuple[str, str]:
@@ -185,7 +185,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         pairs = store.runs_summary(name=args.name, status=args.status, last=args.last)
         if not pairs:
             filtered = args.name is not None or args.status is not None
-            print(f"no runs{' match' if filtered else ''} in {store.path}")
+            print(f"no runs{' match' if filtered else ''} in {store.location}")
             return 0
         print(_runs_table(pairs))
     return 0
@@ -370,16 +370,16 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
     with _open_store(args.db) as store:
         runs = {r.id: r for r in (_run(store, ref) for ref in args.runs)}
-        path = store.path
+        where = store.location
     live = [f"{r.id} ({r.name})" for r in runs.values() if r.status == "running"]
     if live:
         raise _UsageError(f"run {', '.join(live)} is still running; nothing deleted")
     listed = ", ".join(f"{r.id} ({r.name}, {r.status}, {r.steps} steps)" for r in runs.values())
-    if not args.yes and not _confirm(f"delete run {listed} from {path}? [y/N]"):
+    if not args.yes and not _confirm(f"delete run {listed} from {where}? [y/N]"):
         print("nothing deleted")
         return 1
     try:
-        deleted = delete_runs(path, list(runs))
+        deleted = delete_runs(args.db, list(runs))
     except ValueError as exc:  # started running since we looked
         raise _UsageError(f"{exc}; nothing deleted") from None
     for run in deleted:

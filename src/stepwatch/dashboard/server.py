@@ -290,7 +290,8 @@ def make_server(
     """A dashboard server on ``db`` (not yet serving: call ``serve_forever``).
 
     Args:
-        db: the run store (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        db: the run store's location: a file path or a store URL (default
+            ``$STEPWATCH_DB`` or ``./stepwatch.db``).
         host: the address to listen on; the default serves this machine only.
         port: the TCP port; 0 picks a free one (see ``server.url``).
         verbose: log every request on stderr.

@@ -18,7 +18,7 @@ from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, R
 from ..train.step import scale_tensor
 from ..view.run import RunView, view_of
 from ..view.tap import Chunk
-from ._schema import check_writable_db, resolve_path
+from .base import check_writable
 from .writer import RunWriter
 
 __all__ = ["RunRecorder"]
@@ -113,11 +113,7 @@ class RunRecorder(Callback):
         transfer_every: int = 256,
         flush_seconds: float = 1.0,
     ) -> None:
-        if db is not None and not isinstance(db, (str, os.PathLike)):
-            raise TypeError(
-                f"'db' must be a path or None, but got {db!r} with type '{type(db).__name__}'."
-            )
-        check_writable_db(resolve_path(db))
+        check_writable(db)  # a path, a store URL or None; refused now, not at step 1
         if run_name is not None and not isinstance(run_name, str):
             raise TypeError(f"'run_name' must be a str or None, but got {type(run_name).__name__}.")
         if config is not None and not isinstance(config, dict):

@@ -1,4 +1,8 @@
-"""``RunWriter``: one run's points and events, written to SQLite on a background thread.
+"""``RunWriter``: one run's points and events, written to the store on a background thread.
+
+The writer is the queue policy; what writes is the store's backend
+(:class:`~stepwatch.store.base.WriteBackend`; SQLite for a file), which holds every SQL
+statement.
 
 The training thread only appends to an in-memory queue (a ``collections.deque``: an append
 takes well under a microsecond and no lock). One writer thread drains the queue in batches,
@@ -21,12 +25,10 @@ from __future__ import annotations
 
 import atexit
 import collections
-import functools
 import json
 import logging
 import os
 import socket
-import sqlite3
 import threading
 import time
 import weakref
@@ -35,8 +37,8 @@ from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
-from . import _rollup
-from ._schema import STATUSES, connect_for_writing, resolve_path
+from ._schema import STATUSES
+from .base import open_write_backend, parse_location
 
 if TYPE_CHECKING:
     import numpy as np
@@ -126,7 +128,8 @@ class RunWriter:
     """Create a run in the store and write its points and events without blocking training.
 
     Args:
-        db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+        db: the store's location: a database file (default ``$STEPWATCH_DB`` or
+            ``./stepwatch.db``) or a store URL (``sqlite:///runs.db``).
         name: the run's name (default ``run-<id>``).
         config: a JSON-serialisable dict stored with the run.
         flush_seconds: the longest a record waits before it is written (default 1 s).
@@ -141,6 +144,7 @@ class RunWriter:
     Raises:
         TypeError / ValueError: bad arguments; a config that is not JSON-serialisable.
         sqlite3.Error: the database cannot be opened or created at all (before training).
+        ValueError: ``db`` names a kind of store this version cannot open.
     """
 
     def __init__(
@@ -152,7 +156,8 @@ class RunWriter:
         max_pending: int = 100_000,
         block_seconds: float = 0.5,
     ) -> None:
-        self.path = resolve_path(db)
+        found = parse_location(db)
+        self.path = found.target  # the file, for a local store
         if name is not None and not isinstance(name, str):
             raise TypeError(f"'name' must be a str or None, but got {type(name).__name__}.")
         if config is not None and not isinstance(config, dict):
@@ -166,21 +171,11 @@ class RunWriter:
         self.max_pending = check_int("max_pending", max_pending, minimum=1)
         self.block_seconds = check_number("block_seconds", block_seconds, minimum=0.0) or 0.0
 
-        self._conn = connect_for_writing(self.path)
-        self._rows_per_insert = _rows_per_insert(self._conn)
-        now = time.time()
-        with self._conn:
-            cur = self._conn.execute(
-                "INSERT INTO runs (name, status, started, host, pid, config, heartbeat) "
-                "VALUES (?, 'running', ?, ?, ?, ?, ?)",
-                (name or "", now, socket.gethostname(), os.getpid(), config_json, now),
-            )
-            self.run_id = int(cur.lastrowid or 0)
-            if not name:
-                self._conn.execute(
-                    "UPDATE runs SET name = ? WHERE id = ?", (f"run-{self.run_id}", self.run_id)
-                )
-            _rollup.mark_run(self._conn, self.run_id)
+        self.location = found.shown
+        self._backend = open_write_backend(db)
+        self.run_id = self._backend.create_run(
+            name or "", config_json, socket.gethostname(), os.getpid(), time.time()
+        )
         self.name = name or f"run-{self.run_id}"
         self.dropped = 0
         self.written = 0
@@ -307,16 +302,11 @@ class RunWriter:
         self._closed = True
         _OPEN_WRITERS.discard(self)
         try:
-            with self._conn:
-                self._conn.execute(
-                    "UPDATE runs SET status = ?, ended = ?, heartbeat = ?, dropped = ? "
-                    "WHERE id = ?",
-                    (status, time.time(), time.time(), self.dropped, self.run_id),
-                )
-        except sqlite3.Error as exc:
+            self._backend.finish(self.run_id, status, time.time(), self.dropped)
+        except Exception as exc:  # a failing disk or server must not reach training
             self._report_disk_error(exc, 0)
         finally:
-            self._conn.close()
+            self._backend.close()
         if self.dropped:
             logger.warning(
                 "stepwatch store: run %d dropped %d records (%s)",
@@ -351,9 +341,7 @@ class RunWriter:
     def _key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
         if key_id is None:
-            self._conn.execute("INSERT OR IGNORE INTO keys (name) VALUES (?)", (name,))
-            row = self._conn.execute("SELECT id FROM keys WHERE name = ?", (name,)).fetchone()
-            key_id = self._key_ids[name] = int(row[0])
+            key_id = self._key_ids[name] = self._backend.key_id(name)
         return key_id
 
     def _write_pending(self) -> None:
@@ -387,41 +375,14 @@ class RunWriter:
                 parts.append(rows)
                 count += n
             event_rows = [
-                (run, e.step, e.epoch, e.time, e.kind, e.level, e.message, _json(e.data))
-                for e in events
+                (e.step, e.epoch, e.time, e.kind, e.level, e.message, _json(e.data)) for e in events
             ]
             flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                if count:
-                    self._insert_points(run, flat)
-                    _rollup.update(self._conn, run, flat, _COLUMNS)
-                if event_rows:
-                    self._conn.executemany(_INSERT_EVENTS, event_rows)
-                self._conn.execute("UPDATE runs SET heartbeat = ? WHERE id = ?", (time.time(), run))
-                self._conn.execute("COMMIT")
-                self.written += count
-            except BaseException:
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
-                raise
+            self._backend.write(run, flat, event_rows, time.time())
+            self.written += count
         except Exception as exc:  # a failing disk must not reach training
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in items)
             self._report_disk_error(exc, lost)
-
-    def _insert_points(self, run: int, flat: list[Any]) -> None:
-        """Insert the rows (``_COLUMNS`` values each, one after another in ``flat``), up to 256
-        per statement: the interpreter lock is taken once to bind them and released while
-        SQLite inserts them all. ``executemany`` releases and retakes it around every row;
-        written during training, that cost the training thread about 4x the CPU time per
-        point (bench/logging_throughput.py)."""
-        execute, at, end = self._conn.execute, 0, len(flat)
-        while at < end:
-            rows = min(self._rows_per_insert, (end - at) // _COLUMNS)
-            rows = 1 << (rows.bit_length() - 1)  # a power of two: a handful of cached statements
-            stop = at + rows * _COLUMNS
-            execute(_insert_sql(rows), [run, *flat[at:stop]])
-            at = stop
 
     def _single_rows(self, singles: list[tuple[Any, ...]]) -> Iterator[tuple[Any, ...]]:
         """Rows for points queued one by one with :meth:`log`, transposed in C."""
@@ -444,38 +405,11 @@ class RunWriter:
             logger.warning(
                 "stepwatch store: writing to %s failed (%s); records are being dropped and "
                 "counted, training continues",
-                self.path,
+                self.location,
                 self._disk_error,
             )
 
 
-# A row is (key, step, epoch, time, value); the run is the statement's first parameter.
-_COLUMNS = 5
-
-
-def _rows_per_insert(conn: sqlite3.Connection) -> int:
-    """The most rows per INSERT (a power of two, at most 256) that SQLite's limit on bound
-    parameters allows (999 before SQLite 3.32, 32766 since, unless built otherwise)."""
-    if hasattr(conn, "getlimit"):  # Python 3.11+
-        limit = int(conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER))
-    else:  # pragma: no cover - Python 3.10
-        limit = 32766 if sqlite3.sqlite_version_info >= (3, 32, 0) else 999
-    rows = max(1, min(256, (limit - 1) // _COLUMNS))
-    return 1 << (rows.bit_length() - 1)
-
-
-@functools.cache
-def _insert_sql(rows: int) -> str:
-    """``INSERT`` of ``rows`` rows: ``?1`` is the run, each row takes the next five."""
-    return "INSERT INTO points (run, key, step, epoch, time, value) VALUES " + ", ".join(
-        ["(?1, ?, ?, ?, ?, ?)"] * rows
-    )
-
-
-_INSERT_EVENTS = (
-    "INSERT INTO events (run, step, epoch, time, kind, level, message, data) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-)
 _INT, _INT_OR_NONE, _FLOAT = frozenset({int}), frozenset({int, type(None)}), frozenset({float})
 
 

@@ -1,0 +1,197 @@
+"""The SQLite run store's schema, its version, and how its connections are opened."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..._validation import nearest_existing
+
+__all__: list[str] = []
+
+# 1: runs, keys, points, events. 2: adds the min/max rollups (``_rollup``): only tables are
+# added, so every version reads every file; a run written without rollups (not listed in
+# ``rollup_runs``) is read from its points.
+SCHEMA_VERSION = 2
+BUSY_TIMEOUT_MS = 30_000
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    name TEXT NOT NULL,
+    status TEXT NOT NULL,
+    started REAL NOT NULL,
+    ended REAL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    config TEXT NOT NULL DEFAULT '{}',
+    heartbeat REAL NOT NULL,
+    dropped INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS keys (id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS points (
+    run INTEGER NOT NULL,
+    key INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    epoch INTEGER,
+    time REAL NOT NULL,
+    value REAL
+);
+CREATE INDEX IF NOT EXISTS points_by_run_key_step ON points (run, key, step);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run INTEGER NOT NULL,
+    step INTEGER,
+    epoch INTEGER,
+    time REAL NOT NULL,
+    kind TEXT NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    data TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS events_by_run ON events (run, id);
+CREATE TABLE IF NOT EXISTS rollup_runs (run INTEGER PRIMARY KEY, widths TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollups (
+    run INTEGER NOT NULL,
+    key INTEGER NOT NULL,
+    width INTEGER NOT NULL,
+    bucket INTEGER NOT NULL,
+    n INTEGER NOT NULL,
+    min_step INTEGER,
+    min_value REAL,
+    max_step INTEGER,
+    max_value REAL,
+    nan_step INTEGER,
+    PRIMARY KEY (run, key, width, bucket)
+) WITHOUT ROWID;
+"""
+
+
+def check_writable_db(path: Path, argname: str = "db") -> None:
+    """Raise ValueError now for a path that cannot hold a run store: a folder, a file that is
+    not SQLite, an SQLite file of another program, or a place that cannot be written."""
+    if path.is_dir():
+        raise ValueError(
+            f"'{argname}' {str(path)!r} is a folder; pass a database file such as "
+            f"{str(path / 'stepwatch.db')!r}."
+        )
+    if path.is_file():
+        try:
+            with open(path, "rb") as f:
+                header = f.read(16)
+        except OSError as exc:
+            raise ValueError(f"'{argname}' {str(path)!r} cannot be read: {exc.strerror}") from None
+        if header and header != b"SQLite format 3\x00":
+            raise ValueError(
+                f"'{argname}' {str(path)!r} is not an SQLite database (a stepwatch run store); "
+                "pass a new file name or an existing run store."
+            )
+        if header:
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+            try:
+                tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
+            except sqlite3.DatabaseError as exc:
+                raise ValueError(f"'{argname}' {str(path)!r} is not readable: {exc}") from None
+            finally:
+                conn.close()
+            if tables and "meta" not in tables:
+                raise ValueError(
+                    f"'{argname}' {str(path)!r} is an SQLite database of something else (tables "
+                    f"{sorted(tables)[:5]}); pass a file of its own for the run store."
+                )
+        return
+    probe = nearest_existing(path.parent)
+    if not probe.is_dir():
+        raise ValueError(f"'{argname}' {str(path)!r} cannot be created: {str(probe)!r} is a file.")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"'{argname}' {str(path)!r} cannot be created: no permission.")
+
+
+def connect_for_writing(path: Path) -> sqlite3.Connection:
+    """Open (creating if needed) the database in WAL mode, ready for concurrent writers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(
+        path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
+    )
+    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+    _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
+    # NORMAL in WAL mode: a killed process loses nothing committed; only a power cut can
+    # lose the last transactions.
+    conn.execute("PRAGMA synchronous = NORMAL")
+
+    def create() -> None:
+        try:
+            conn.executescript(
+                "BEGIN IMMEDIATE;"
+                + SCHEMA
+                + "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', "
+                + f"'{SCHEMA_VERSION}'); UPDATE meta SET value = '{SCHEMA_VERSION}' "
+                + "WHERE key = 'schema_version' AND CAST(value AS INTEGER) < "
+                + f"{SCHEMA_VERSION}; COMMIT;"
+            )
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    _retry(create)
+    return conn
+
+
+def sqlite_uri(path: Path, mode: str, immutable: bool = False) -> str:
+    """A ``file:`` URI for ``path`` (any characters in the name are escaped)."""
+    uri = f"{path.resolve().as_uri()}?mode={mode}"
+    return uri + "&immutable=1" if immutable else uri
+
+
+def connect_for_reading(path: Path) -> sqlite3.Connection:
+    """Open an existing database for reading; never creates or changes a file.
+
+    A database we may write is opened read-write with ``PRAGMA query_only``: SQLite then
+    deletes the ``-wal``/``-shm`` files it creates for a WAL database when the last connection
+    closes, as it does for writers (a ``mode=ro`` connection would leave them behind). A file
+    we may not write is opened ``mode=ro``, and ``immutable`` when no ``-wal`` file exists:
+    then no writer can be using it and SQLite needs no lock files.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"no stepwatch database at {str(path)!r}")
+    folder = path.resolve().parent
+    if os.access(path, os.W_OK) and os.access(folder, os.W_OK | os.X_OK):
+        uri = sqlite_uri(path, "rw")
+    else:
+        uri = sqlite_uri(path, "ro", immutable=not Path(f"{path}-wal").exists())
+    conn = sqlite3.connect(
+        uri,
+        uri=True,
+        timeout=BUSY_TIMEOUT_MS / 1000,
+        isolation_level=None,
+        check_same_thread=False,  # the Store's lock serialises threads
+    )
+    try:
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA query_only = ON")
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise ValueError(f"{str(path)!r} is not a stepwatch database: {exc}") from exc
+    if row is None:
+        conn.close()
+        raise ValueError(f"{str(path)!r} is not a stepwatch database (no schema version)")
+    return conn
+
+
+def _retry(fn: Callable[[], Any], attempts: int = 50) -> None:
+    """Run ``fn``, retrying while another process holds the database."""
+    for attempt in range(attempts):
+        try:
+            fn()
+            return
+        except sqlite3.OperationalError as exc:
+            if ("locked" not in str(exc) and "busy" not in str(exc)) or attempt == attempts - 1:
+                raise
+            time.sleep(0.02 * (attempt + 1))

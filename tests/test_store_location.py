@@ -1,0 +1,63 @@
+"""Where a store is: a location string picks the backend, everywhere a store is named."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stepwatch import RunRecorder, RunWriter, Store
+from stepwatch.store.backends.sqlite_read import SQLiteStore
+from stepwatch.store.backends.sqlite_write import SQLiteWriteBackend
+from stepwatch.store.base import WriteBackend, parse_location
+
+
+def test_a_path_or_a_sqlite_url_is_the_sqlite_store(tmp_path: Path) -> None:
+    assert parse_location("runs.db").kind == "sqlite"
+    assert parse_location("runs.db").target == Path("runs.db")
+    assert parse_location(tmp_path / "x.db").target == tmp_path / "x.db"
+    assert parse_location("sqlite:///runs.db").target == Path("runs.db")
+    assert parse_location(f"sqlite:///{tmp_path}/x.db").target == tmp_path / "x.db"
+
+
+def test_writer_reader_and_recorder_take_a_location(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/runs.db"
+    writer = RunWriter(url, name="by-url")
+    assert isinstance(writer._backend, SQLiteWriteBackend)
+    assert isinstance(writer._backend, WriteBackend)
+    writer.log("loss", 0.5, 1)
+    writer.event("note", "hello", 1)
+    writer.close()
+    with Store(url) as store:
+        assert isinstance(store, SQLiteStore) and isinstance(store, Store)
+        assert store.location == str(tmp_path / "runs.db")
+        assert [r.name for r in store.runs()] == ["by-url"]
+        assert store.metrics(writer.run_id, "loss")[1].tolist() == [0.5]
+    with Store(tmp_path / "runs.db") as store:  # the same file, named as a path
+        assert store.events(writer.run_id)[0]["message"] == "hello"
+    RunRecorder(db=url)  # accepted at construction
+
+
+def test_the_cli_reads_a_store_named_by_url(tmp_path: Path) -> None:
+    writer = RunWriter(tmp_path / "runs.db", name="cli-url")
+    writer.log("loss", 1.0, 1)
+    writer.close()
+    out = subprocess.run(
+        [sys.executable, "-m", "stepwatch", "runs", "--db", f"sqlite:///{tmp_path}/runs.db"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "cli-url" in out
+
+
+def test_a_store_kind_without_a_backend_is_refused_without_the_password() -> None:
+    url = "postgresql://trainer:s3cret@db.example:5432/runs"
+    for make in (lambda: RunRecorder(db=url), lambda: RunWriter(url), lambda: Store(url)):
+        with pytest.raises(ValueError, match="cannot open yet") as info:
+            make()
+        assert "s3cret" not in str(info.value) and "trainer:***@db.example" in str(info.value)
+    with pytest.raises(ValueError, match=r"unknown kind of store \(mysql://\)"):
+        RunRecorder(db="mysql://x/y")
+    with pytest.raises(TypeError, match="'db' must be a path, a store URL or None"):
+        RunRecorder(db=123)  # type: ignore[arg-type]
