@@ -98,6 +98,10 @@ class LossTap:
         self.next_step = 1  # the global step of pending[0]
         self.epoch = 0
         self.total: torch.Tensor | None = None  # the epoch's loss sum so far, on the device
+        # Chunks not summed into total yet: folded together every DEFAULT_INTERVAL steps, so a
+        # small chunk costs one stack, not a stack, a sum and an add.
+        self._unsummed: list[torch.Tensor] = []
+        self._unsummed_steps = 0
         self.last: Any = None  # the newest loss cut into a chunk
         self._subscribers: list[tuple[int, int, Subscriber, Callable[[], bool] | None]] = []
         self._dues: list[Callable[[], bool]] = []
@@ -148,6 +152,7 @@ class LossTap:
         """A new epoch starts; its first step is ``next_step``."""
         self.cut()
         self.epoch, self.next_step, self.total = epoch, next_step, None
+        self._unsummed, self._unsummed_steps = [], 0
 
     def restart(self, next_step: int) -> None:
         """The next push is step ``next_step`` (after a jump in the step count)."""
@@ -187,8 +192,10 @@ class LossTap:
         self.last = pending[-1]
         device = stack_losses(pending)
         pending.clear()  # the same list: a loop may hold it
-        part = device.sum()
-        self.total = part if self.total is None else self.total + part
+        self._unsummed.append(device)
+        self._unsummed_steps += len(device)
+        if self._unsummed_steps >= DEFAULT_INTERVAL:
+            self._fold()
         if not self._subscribers:
             return None
         host, ready = device, None
@@ -204,9 +211,18 @@ class LossTap:
             fn(chunk)
         return chunk
 
+    def _fold(self) -> None:
+        parts = self._unsummed
+        if not parts:
+            return
+        part = (torch.cat(parts) if len(parts) > 1 else parts[0]).sum()
+        self.total = part if self.total is None else self.total + part
+        self._unsummed, self._unsummed_steps = [], 0
+
     def end_epoch(self) -> torch.Tensor | None:
         """Cut what waits and return the epoch's loss sum (a device tensor), or None."""
         self.cut()
+        self._fold()
         total, self.total = self.total, None
         return total
 
