@@ -385,7 +385,7 @@ def test_checkpoint_config_args_validation(kwargs: dict[str, Any], exc: type, ma
 
 def test_checkpoint_config_policies() -> None:
     config = CheckpointConfig(save_checkpoint_steps=10, save_checkpoint_seconds=30)
-    assert config.save_checkpoint_seconds == 0
+    assert config.save_checkpoint_seconds is None  # MindSpore's value: the step policy rules
     config = CheckpointConfig(
         save_checkpoint_steps=0, keep_checkpoint_max=0, keep_checkpoint_per_n_minutes=2
     )
@@ -443,10 +443,50 @@ def test_on_request_exit_args_validation(kwargs: dict[str, Any], exc: type, matc
         OnRequestExit(**kwargs)
 
 
-def test_on_request_exit_restores_signal_handlers(tmp_path: Path) -> None:
+def test_on_request_exit_keeps_its_handler_between_runs(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    make_model().train(1, make_batches(2), callbacks=[OnRequestExit(directory=tmp_path)])
+    exit_cb = OnRequestExit(directory=tmp_path)
+    try:
+        make_model().train(1, make_batches(2), callbacks=[exit_cb])
+        # As in MindSpore, the handler stays: a SIGTERM between runs is noted, not fatal.
+        assert signal.getsignal(signal.SIGTERM) == exit_cb._handle
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: exit_cb.received == signal.SIGTERM)
+        # Outside a run, Ctrl-C still interrupts at once.
+        with pytest.raises(KeyboardInterrupt):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # type: ignore[operator]
+    finally:
+        exit_cb.restore_handlers()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_on_request_exit_stops_model_eval_and_saves_the_evaluated_weights(
+    tmp_path: Path,
+) -> None:
+    model = make_model(metrics={"accuracy"})
+    model.train(1, make_batches(2))
+    exit_cb = OnRequestExit(directory=tmp_path, file_name="net")
+    seen: list[int] = []
+
+    def send(rc: Any) -> None:
+        seen.append(rc.original_args().cur_step_num)
+        if rc.original_args().cur_step_num == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        model.eval(make_batches(6), callbacks=[LambdaCallback(on_eval_step_end=send), exit_cb])
+    finally:
+        exit_cb.restore_handlers()
+    assert seen == [1, 2]  # the pass ended after the step the signal came in
+    assert exit_cb.checkpoint_path == tmp_path / "net_eval.pt"
+    net = make_model().train_network
+    stepwatch.load_checkpoint(tmp_path / "net_eval.pt", net)
+    for a, b in zip(net.parameters(), model.train_network.parameters()):
+        torch.testing.assert_close(a, b)
+    # Without a signal, the next eval runs whole.
+    seen.clear()
+    model.eval(make_batches(3), callbacks=[LambdaCallback(on_eval_step_end=seen.append)])
+    assert len(seen) == 3
 
 
 # -- load / save ---------------------------------------------------------------------------
@@ -487,3 +527,15 @@ def test_resume_past_the_end_is_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is at epoch 2; 'epoch' must be larger"):
         make_model().train(2, make_batches(1), resume_from=tmp_path / "CKP-last.pt")
     assert stepwatch.load_checkpoint(tmp_path / "CKP-last.pt")["epoch"] == 2
+
+
+def test_checkpoint_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
+    old = os.umask(0o022)
+    try:
+        path = stepwatch.save_checkpoint(nn.Linear(2, 1), tmp_path / "w.pt")
+        assert path.stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        path = stepwatch.save_checkpoint(nn.Linear(2, 1), tmp_path / "private.pt")
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)

@@ -178,15 +178,16 @@ def test_reduce_lr_after_patience_with_cooldown_and_floor(
         0.125,
         0.125,
     ]
+    # The epoch on which the cooldown ends counts towards the patience (MindSpore, Keras).
     assert _lrs(flat, ReduceLROnPlateau("loss", factor=0.5, patience=1, cooldown=2)) == [
         1.0,
         0.5,
         0.5,
-        0.5,
-        0.25,
         0.25,
         0.25,
         0.125,
+        0.125,
+        0.0625,
     ]
     assert _lrs(flat, ReduceLROnPlateau("loss", factor=0.1, patience=1, min_lr=0.05)) == [
         1.0,

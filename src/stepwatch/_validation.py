@@ -12,6 +12,19 @@ from typing import Any, Literal, overload
 __all__: list[str] = []
 
 
+class TypeAndValueError(TypeError, ValueError):
+    """A wrong type where MindSpore raises ValueError: an instance of both, so code written
+    for either (``except TypeError`` or ``except ValueError``) keeps working."""
+
+
+class UnknownNameError(KeyError, ValueError):
+    """An unknown name where MindSpore raises KeyError (and stepwatch's rule says
+    ValueError): an instance of both. Its text is the message, not a quoted key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def _got(value: Any) -> str:
     return f"{value!r} with type '{type(value).__name__}'"
 

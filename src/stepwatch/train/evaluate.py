@@ -38,8 +38,13 @@ def eval_pass(
     cb_list: CallbackList,
     cb_params: CallbackParams,
     run_context: RunContext,
+    stoppable: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Evaluate the metrics on ``dataset``; return ``(metrics, eval_results)``.
+
+    ``stoppable`` (``Model.eval``): a stop a callback requests ends the pass after that step
+    (``OnRequestExit`` on a signal), as in MindSpore. Inside ``fit`` the pass always runs whole:
+    a stop requested during training must not cut the epoch's validation short.
 
     From ``on_eval_epoch_end`` on, cb_params shows this pass's own values: each metric as an
     attribute and ``loss`` as the pass's mean loss; ``eval_results`` (the metrics plus
@@ -99,6 +104,8 @@ def eval_pass(
                 cb_params.outputs = outputs  # computed under no_grad: no graph
                 if step_end:
                     call("on_eval_step_end", run_context)
+                if stoppable and run_context.stop_requested:
+                    break
         total = fold_losses(total, pending)
         loss_sum = float(total) if total is not None and steps else None
         if cb_params.device_number > 1:

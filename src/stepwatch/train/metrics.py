@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._validation import check_choice, check_int
+from .._validation import UnknownNameError, check_choice, check_int
 
 __all__ = [
     "MAE",
@@ -405,7 +405,7 @@ def get_metric_fn(name: str) -> Metric:
     if not isinstance(name, str):
         raise TypeError(f"a metric name must be a str, but got {name!r}.")
     if name not in _FACTORY:
-        raise ValueError(f"unknown metric name {name!r}; known names: {', '.join(names())}.")
+        raise UnknownNameError(f"unknown metric name {name!r}; known names: {', '.join(names())}.")
     return _FACTORY[name]()
 
 

@@ -398,7 +398,13 @@ class Model:
                 cb_params.batch_num = batch_num = dataset_size(valid_dataset, "valid_dataset")
             with cb_list.entered():
                 metrics, _ = eval_pass(
-                    self._parts, valid_dataset, batch_num, cb_list, cb_params, run_context
+                    self._parts,
+                    valid_dataset,
+                    batch_num,
+                    cb_list,
+                    cb_params,
+                    run_context,
+                    stoppable=True,
                 )
         except BaseException:
             if world > 1:

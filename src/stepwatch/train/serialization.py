@@ -57,6 +57,21 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process's umask: from /proc on Linux (no change to it, so no race with other
+    threads), else read by setting it and putting it back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """Write ``state`` to ``path`` atomically: the file is either the old one or the new one."""
     target = Path(path)
@@ -67,6 +82,8 @@ def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         # Name the file the user asked for, not the hidden temporary one.
         raise type(exc)(exc.errno, f"cannot write {str(target)!r}: {exc.strerror}") from None
     try:
+        # mkstemp makes the file 0600; a checkpoint gets the mode any new file would (umask).
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
             f.flush()

@@ -15,7 +15,8 @@ from ._callback import (
 from ._monitor import MonitorCallback
 from .anomaly import AnomalyMonitor, TerminateOnNaN
 from .backup_and_restore import BackupAndRestore
-from .checkpoint import CheckpointConfig, ModelCheckpoint
+from .checkpoint import ModelCheckpoint
+from .checkpoint_config import CheckpointConfig
 from .distributed_monitor import DistributedMonitor
 from .early_stopping import EarlyStopping
 from .history import History

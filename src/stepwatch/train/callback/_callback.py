@@ -122,73 +122,110 @@ class Callback:
     def __exit__(self, *err: Any) -> None:
         return None
 
-    # MindSpore 1.x names.
+    # MindSpore 1.x names. Each reaches the 2.x hook that the class overrides for the run's
+    # mode (``cb_params.mode``), so ``LossMonitor().step_end(rc)`` prints as MindSpore's does,
+    # and a subclass's ``step_end`` can call ``super().step_end(rc)``.
     def begin(self, run_context: RunContext) -> None:
         """Called once before the first epoch (train) or before evaluation (eval)."""
+        self._forward("begin", run_context)
 
     def epoch_begin(self, run_context: RunContext) -> None:
         """Called at the start of every epoch."""
+        self._forward("epoch_begin", run_context)
 
     def step_begin(self, run_context: RunContext) -> None:
         """Called before every step."""
+        self._forward("step_begin", run_context)
 
     def step_end(self, run_context: RunContext) -> None:
         """Called after every step."""
+        self._forward("step_end", run_context)
 
     def epoch_end(self, run_context: RunContext) -> None:
         """Called at the end of every epoch."""
+        self._forward("epoch_end", run_context)
 
     def end(self, run_context: RunContext) -> None:
         """Called once when the run ends normally."""
+        self._forward("end", run_context)
 
     # MindSpore 2.x names; each defaults to its 1.x name.
     def on_train_begin(self, run_context: RunContext) -> None:
         """Called once before the first training epoch."""
-        self.begin(run_context)
+        self._delegate("begin", run_context)
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         """Called at the start of each training epoch."""
-        self.epoch_begin(run_context)
+        self._delegate("epoch_begin", run_context)
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
         """Called before each training step; ``cb_params.train_dataset_element`` is the batch."""
-        self.step_begin(run_context)
+        self._delegate("step_begin", run_context)
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         """Called after each training step; gradients are still on the parameters."""
-        self.step_end(run_context)
+        self._delegate("step_end", run_context)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         """Called after each training epoch (after the epoch's validation in ``fit``)."""
-        self.epoch_end(run_context)
+        self._delegate("epoch_end", run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
         """Called once when training ends (not when an exception escapes)."""
-        self.end(run_context)
+        self._delegate("end", run_context)
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         """Called once before evaluation."""
-        self.begin(run_context)
+        self._delegate("begin", run_context)
 
     def on_eval_epoch_begin(self, run_context: RunContext) -> None:
         """Called at the start of the evaluation pass."""
-        self.epoch_begin(run_context)
+        self._delegate("epoch_begin", run_context)
 
     def on_eval_step_begin(self, run_context: RunContext) -> None:
         """Called before each evaluation step."""
-        self.step_begin(run_context)
+        self._delegate("step_begin", run_context)
 
     def on_eval_step_end(self, run_context: RunContext) -> None:
         """Called after each evaluation step."""
-        self.step_end(run_context)
+        self._delegate("step_end", run_context)
 
     def on_eval_epoch_end(self, run_context: RunContext) -> None:
         """Called at the end of the evaluation pass."""
-        self.epoch_end(run_context)
+        self._delegate("epoch_end", run_context)
 
     def on_eval_end(self, run_context: RunContext) -> None:
         """Called once after evaluation; in ``fit`` ``cb_params.eval_results`` is set."""
-        self.end(run_context)
+        self._delegate("end", run_context)
+
+    # -- how the two sets of names reach each other ----------------------------------------------
+    def _delegate(self, old: str, run_context: RunContext) -> None:
+        """A 2.x hook the class does not override: call its 1.x name (MindSpore's rule)."""
+        active = self.__dict__.setdefault("_sw_delegating", set())
+        active.add(old)
+        try:
+            getattr(self, old)(run_context)
+        finally:
+            active.discard(old)
+
+    def _forward(self, old: str, run_context: RunContext) -> None:
+        """A 1.x name the class does not override: run the 2.x hook it does override for the
+        run's mode (nothing when it came from that very hook's default)."""
+        if old in self.__dict__.get("_sw_delegating", ()):
+            return
+        params = getattr(run_context, "cb_params", None)
+        mode = getattr(params, "mode", "train") if params is not None else "train"
+        hook = ("on_eval_" if mode == "eval" else "on_train_") + old
+        if _owner(type(self), hook) is not Callback:
+            getattr(self, hook)(run_context)
+
+
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name``."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass
+    return None
 
 
 class RunContext:
@@ -271,15 +308,28 @@ def is_stateful(callback: Any) -> bool:
     return isinstance(callback, Callback) and type(callback).state_dict is not Callback.state_dict
 
 
-def _overrides(callback: Callback, hook: str) -> bool:
-    """True when calling ``hook`` on ``callback`` can do anything."""
+def _hook_function(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
+    """What the loop calls for ``hook`` on ``callback``, or None when nothing would run.
+
+    The more derived of the hook and its 1.x name wins, as in MindSpore: a subclass of a
+    built-in that overrides ``step_end`` is called at every step, where the built-in itself
+    implements ``on_train_step_end``. Functions set on the instance come first.
+    """
     old = OLD_NAME[hook]
-    if hook in callback.__dict__ or old in callback.__dict__:
-        return True
+    inst = callback.__dict__
+    if hook in inst:
+        return inst[hook]
+    if old in inst:
+        return inst[old]
     cls = type(callback)
-    return getattr(cls, hook) is not getattr(Callback, hook) or (
-        getattr(cls, old) is not getattr(Callback, old)
-    )
+    new_owner, old_owner = _owner(cls, hook) or Callback, _owner(cls, old) or Callback
+    if new_owner is Callback and old_owner is Callback:
+        return None
+    if old_owner is not Callback and (
+        new_owner is Callback or (old_owner is not new_owner and issubclass(old_owner, new_owner))
+    ):
+        return getattr(callback, old)
+    return getattr(callback, hook)
 
 
 def _describe_bad_callback(index: int | None, item: Any) -> str:
@@ -350,11 +400,16 @@ class CallbackList:
     """
 
     def __init__(self, callbacks: Sequence[Callback], rank: int = 0) -> None:
+        callbacks = normalize_callbacks(
+            list(callbacks) if isinstance(callbacks, tuple) else callbacks
+        )
         _check_unique(callbacks)
         kept = [cb for cb in callbacks if rank == 0 or not getattr(cb, "rank_zero_only", False)]
         self.callbacks: list[Callback] = sorted(kept, key=lambda c: getattr(c, "order", 0))
         self.table: dict[str, list[tuple[Callback, Callable[[RunContext], Any]]]] = {
-            hook: [(cb, getattr(cb, hook)) for cb in self.callbacks if _overrides(cb, hook)]
+            hook: [
+                (cb, fn) for cb in self.callbacks if (fn := _hook_function(cb, hook)) is not None
+            ]
             for hook in HOOKS
         }
         # What the loops call: per hook, the bound functions only.

@@ -20,8 +20,16 @@ def epoch_values(cb_params: CallbackParams) -> dict[str, float]:
     """Every number a monitor can name at the end of an epoch (see
     :mod:`stepwatch.monitor.values`): ``loss``, ``train_<metric>``, ``eval_loss``,
     ``eval_<metric>``, and the bare ``<metric>`` (the validation value in a run that
-    validates, else the training value)."""
-    return view_of(cb_params).numbers()
+    validates, else the training value).
+
+    As in MindSpore, a bare name that this epoch's ``eval_results`` holds is read from there,
+    whether or not the run has a ``valid_dataset`` (a cb_params built by hand, a callback
+    that evaluates)."""
+    values = view_of(cb_params).numbers()
+    results = cb_params.get("eval_results")
+    if isinstance(results, dict):
+        values.update(names.numeric({k: v for k, v in results.items() if k != names.LOSS}))
+    return values
 
 
 class MonitorCallback(Callback):

@@ -31,13 +31,36 @@ class Progress:
     skipped_steps: Any = 0
 
 
+# What a field every run has reads as when a cb_params built by hand lacks it.
+_DEFAULTS: dict[str, Any] = {
+    "rank_id": 0,
+    "local_rank": 0,
+    "device_number": 1,
+    "parallel_mode": "stand_alone",
+    "initial_step": 0,
+    "initial_epoch": 0,
+    "train_results": {},
+    "mode": "train",
+    "dataset_sink_mode": False,
+    "last_save_ckpt_step": None,
+    "latest_ckpt_file": None,
+    "list_callback": (),
+    "step_time": 0.0,
+    "optimizer_stepped": True,
+    "grad_norm": None,
+}
+
+
 class CallbackParams:
     """The cb_params object returned by ``run_context.original_args()`` (or the faster
     ``run_context.cb_params``).
 
     Fields are attributes (``cb_params.cur_step_num``); dict-style access (``cb_params["x"]``,
     ``cb_params.get("x")``, ``"x" in cb_params``) works too. A missing field raises
-    ``AttributeError``, so ``getattr(cb_params, "accuracy", None)`` returns ``None``.
+    ``AttributeError``, so ``getattr(cb_params, "accuracy", None)`` returns ``None``; the
+    fields every run has read as MindSpore's defaults when a cb_params built by hand lacks them
+    (``rank_id`` 0, ``device_number`` 1, ``initial_step`` 0, ``train_results`` ``{}``,
+    ``mode`` ``'train'``, ...).
 
     Fields computed when read, so that nothing syncs with the device unless a callback asks:
 
@@ -117,7 +140,10 @@ class CallbackParams:
         self._wrapped: tuple[Any, Any] | None = None
         self._epoch_loss: float | None = None
         self.progress = Progress()
+        computed = {k: fields.pop(k) for k in ("net_outputs", "loss") if k in fields}
         self.__dict__.update(fields)
+        for name, value in computed.items():
+            setattr(self, name, value)  # through the properties: a loss given by hand reads back
 
     # -- computed fields ---------------------------------------------------------------------
     @property
@@ -233,8 +259,13 @@ class CallbackParams:
             self._epoch_loss = saved_loss
 
     def __getattr__(self, name: str) -> Any:
-        # Reached only for a field that is not set: an AttributeError, so that
-        # getattr(cb_params, "accuracy", None) and hasattr() work (MindSpore raises KeyError).
+        # Reached only for a field that is not set. A field every run has gets MindSpore's
+        # default (a cb_params built by hand, as tests and tools do, has only a few fields);
+        # anything else is an AttributeError, so that getattr(cb_params, "accuracy", None) and
+        # hasattr() work (MindSpore raises KeyError).
+        if name in _DEFAULTS:
+            default = _DEFAULTS[name]
+            return dict(default) if isinstance(default, dict) else default
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(

@@ -14,7 +14,7 @@ def emit(line: str) -> None:
     """Print ``line`` on stdout: above the progress bar while one is showing."""
     writer = _writer
     if writer is None:
-        print(line, flush=True)
+        print(line)  # as MindSpore prints: no flush (a stdout replacement may act on it)
     else:
         writer(line)
 

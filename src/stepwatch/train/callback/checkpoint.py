@@ -1,4 +1,5 @@
-"""``CheckpointConfig`` and ``ModelCheckpoint``: save resumable checkpoints as training runs."""
+"""``ModelCheckpoint``: save resumable checkpoints as training runs (when and what:
+:class:`~stepwatch.train.callback.checkpoint_config.CheckpointConfig`)."""
 
 from __future__ import annotations
 
@@ -11,144 +12,17 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from torch import nn
-
-from ..._validation import check_bool, check_int, check_number, nearest_existing
+from ..._validation import TypeAndValueError, nearest_existing
 from ...monitor.schedule import Every
 from ..resume import build_checkpoint
 from ..serialization import remove_stale_temporaries, weights_finite, write_atomic
 from ._callback import ORDER_SAVE, CallbackParams, RunContext
 from ._monitor import MonitorCallback
+from .checkpoint_config import CheckpointConfig
 
 __all__ = ["CheckpointConfig", "ModelCheckpoint"]
 
 logger = logging.getLogger("stepwatch")
-
-
-class CheckpointConfig:
-    """When and what :class:`ModelCheckpoint` saves.
-
-    Args:
-        save_checkpoint_steps: save every N global steps (set, it turns the seconds policy off).
-        save_checkpoint_seconds: save when this many seconds passed since the last save.
-        keep_checkpoint_max: keep at most this many newest files (0/None: see the next).
-        keep_checkpoint_per_n_minutes: without a maximum, keep one file per N minutes.
-        integrated_save: accepted for MindSpore compatibility (always integrated on PyTorch).
-        async_save: write files on a background thread; training waits only for the copy of
-            the tensors to host memory, not for the disk.
-        saved_network: save this module's weights instead of the training network's.
-        append_info: extra values stored in the file: ``"epoch_num"``, ``"step_num"`` and at
-            most one dict of ``str`` to number/str.
-        exception_save: when training dies, write ``{prefix}-{epoch}_{step}_breakpoint.pt``.
-        save_best_only: save at epoch ends only when ``monitor`` improved (the step and
-            seconds policies are then off).
-        monitor / mode / min_delta: the value that decides "best" (see ``EarlyStopping``).
-        save_last: keep ``{prefix}-last.pt`` pointing at the newest file (a hard link, or a
-            copy where links are not possible).
-
-    Raises:
-        ValueError: the steps, seconds, max and per-n-minutes arguments are all 0/None; a
-            negative count; a bad ``append_info``.
-        TypeError: an argument of the wrong type.
-    """
-
-    def __init__(
-        self,
-        save_checkpoint_steps: int | None = 1,
-        save_checkpoint_seconds: int | None = 0,
-        keep_checkpoint_max: int | None = 5,
-        keep_checkpoint_per_n_minutes: int | None = 0,
-        integrated_save: bool = True,
-        async_save: bool = False,
-        saved_network: nn.Module | None = None,
-        append_info: list[Any] | None = None,
-        exception_save: bool = False,
-        save_best_only: bool = False,
-        monitor: str = "eval_loss",
-        mode: str = "auto",
-        min_delta: float = 0.0,
-        save_last: bool = True,
-    ) -> None:
-        steps = check_int(
-            "save_checkpoint_steps", save_checkpoint_steps, minimum=0, allow_none=True
-        )
-        seconds = check_int(
-            "save_checkpoint_seconds", save_checkpoint_seconds, minimum=0, allow_none=True
-        )
-        keep_max = check_int("keep_checkpoint_max", keep_checkpoint_max, minimum=0, allow_none=True)
-        per_minutes = check_int(
-            "keep_checkpoint_per_n_minutes",
-            keep_checkpoint_per_n_minutes,
-            minimum=0,
-            allow_none=True,
-        )
-        if not steps and not seconds and not keep_max and not per_minutes:
-            raise ValueError(
-                "The input arguments 'save_checkpoint_steps', 'save_checkpoint_seconds', "
-                "'keep_checkpoint_max' and 'keep_checkpoint_per_n_minutes' can't be all None or 0."
-            )
-        if steps:
-            seconds = 0
-        if keep_max:
-            per_minutes = 0
-        elif not per_minutes:
-            keep_max = 1
-        self.save_checkpoint_steps = steps or 0
-        self.save_checkpoint_seconds = seconds or 0
-        self.keep_checkpoint_max = keep_max or 0
-        self.keep_checkpoint_per_n_minutes = per_minutes or 0
-        self.integrated_save = check_bool("integrated_save", integrated_save)
-        self.async_save = check_bool("async_save", async_save)
-        if saved_network is not None and not isinstance(saved_network, nn.Module):
-            raise TypeError(
-                f"'saved_network' must be a torch.nn.Module or None, but got "
-                f"{type(saved_network).__name__}."
-            )
-        self.saved_network = saved_network
-        self.append_info = self._check_append_info(append_info)
-        self.exception_save = check_bool("exception_save", exception_save)
-        self.save_best_only = check_bool("save_best_only", save_best_only)
-        self.monitor = monitor
-        self.mode = mode
-        self.min_delta = check_number("min_delta", min_delta, minimum=0.0) or 0.0
-        self.save_last = check_bool("save_last", save_last)
-
-    @staticmethod
-    def _check_append_info(append_info: Any) -> list[Any]:
-        if append_info is None:
-            return []
-        if not isinstance(append_info, list):
-            raise TypeError(
-                f"'append_info' must be a list or None, but got {type(append_info).__name__}."
-            )
-        dicts = 0
-        for item in append_info:
-            if isinstance(item, str):
-                if item not in ("epoch_num", "step_num"):
-                    raise ValueError(
-                        "'append_info' strings must be 'epoch_num' or 'step_num', but got "
-                        f"{item!r}."
-                    )
-            elif isinstance(item, dict):
-                dicts += 1
-                for key, value in item.items():
-                    if (
-                        not isinstance(key, str)
-                        or isinstance(value, bool)
-                        or not isinstance(value, (int, float, str))
-                    ):
-                        raise TypeError(
-                            "'append_info' dict entries must map str to int, float or str, but "
-                            f"got {key!r}: {value!r}."
-                        )
-            else:
-                raise TypeError(
-                    "'append_info' items must be 'epoch_num', 'step_num' or a dict, but got "
-                    f"{item!r}."
-                )
-        if dicts > 1:
-            raise ValueError("'append_info' may hold at most one dict.")
-        return list(append_info)
 
 
 class _AsyncWriter:
@@ -214,10 +88,15 @@ class ModelCheckpoint(MonitorCallback):
         latest_ckpt_file_name: path of the newest file.
         best_ckpt_file_name: with ``save_best_only``, path of the best file.
 
+    ``prefix`` and ``directory`` may also be functions of cb_params (as in MindSpore, for names
+    per rank: ``prefix=lambda p: f"net_rank{p.rank_id}"``); they are called when training
+    starts.
+
     Raises:
-        TypeError: ``prefix`` not a str, ``directory`` not a path, ``config`` not a
-            CheckpointConfig.
+        TypeError: ``directory`` not a path, ``config`` not a CheckpointConfig.
         ValueError: ``prefix`` contains a path separator or is empty.
+        TypeAndValueError: ``prefix`` not a str (a ValueError in MindSpore: an instance of
+            both).
     """
 
     order = ORDER_SAVE  # after the callbacks whose state it saves
@@ -228,17 +107,23 @@ class ModelCheckpoint(MonitorCallback):
         directory: str | os.PathLike[str] | None = None,
         config: CheckpointConfig | None = None,
     ) -> None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"'prefix' must be a str, but got {type(prefix).__name__}.")
-        if not prefix or "/" in prefix or os.sep in prefix:
-            raise ValueError(
-                f"'prefix' must be a file name prefix without '/', but got {prefix!r}; put the "
-                "folder in 'directory'."
+        if not isinstance(prefix, str) and not callable(prefix):
+            raise TypeAndValueError(  # MindSpore: ValueError
+                f"'prefix' must be a str or a function of cb_params returning one, but got "
+                f"{type(prefix).__name__}."
             )
+        # A function of cb_params (MindSpore's per-rank names) is called when training starts.
+        self._prefix_fn = prefix if callable(prefix) else None
+        self._directory_fn = directory if callable(directory) else None
+        if self._prefix_fn is None:
+            _check_prefix(prefix)
         if directory is not None and not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(
-                f"'directory' must be a str, a path or None, but got {type(directory).__name__}."
-            )
+            if self._directory_fn is None:
+                raise TypeError(
+                    f"'directory' must be a str, a path, a function of cb_params returning one, "
+                    f"or None, but got {type(directory).__name__}."
+                )
+            directory = None
         if directory is not None:
             _check_directory("directory", Path(directory))
         if config is None:
@@ -248,9 +133,15 @@ class ModelCheckpoint(MonitorCallback):
                 f"'config' must be a CheckpointConfig or None, but got {type(config).__name__}."
             )
         super().__init__(config.monitor, config.mode, config.min_delta)
-        self._prefix_requested = prefix
-        self.prefix = prefix
+        self._prefix_requested = prefix if self._prefix_fn is None else "CKP"
+        self.prefix = self._prefix_requested
         self.directory = Path(directory) if directory is not None else Path.cwd()
+        self._names = (
+            prefix if self._prefix_fn is None else f"<{_qualname(prefix)}>",
+            str(self.directory)
+            if self._directory_fn is None
+            else f"<{_qualname(self._directory_fn)}>",
+        )
         self.config = config
         self.latest_ckpt_file_name: str | None = None
         self.best_ckpt_file_name: str | None = None
@@ -264,10 +155,22 @@ class ModelCheckpoint(MonitorCallback):
 
     @property
     def state_key(self) -> str:
-        return self._state_key_with(directory=str(self.directory), prefix=self._prefix_requested)
+        prefix, directory = self._names
+        return self._state_key_with(directory=directory, prefix=prefix)
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
+        if self._prefix_fn is not None:
+            self._prefix_requested = _check_prefix(self._prefix_fn(run_context.cb_params))
+        if self._directory_fn is not None:
+            found = self._directory_fn(run_context.cb_params)
+            if not isinstance(found, (str, os.PathLike)):
+                raise TypeError(
+                    f"ModelCheckpoint's 'directory' function returned {found!r}; it must "
+                    "return a folder path."
+                )
+            self.directory = Path(found)
+            _check_directory("directory", self.directory)
         # Distributed: rank 0 writes; the others keep the same state and write nothing.
         self._writes = run_context.cb_params.rank_id == 0
         if self._writes:
@@ -494,3 +397,21 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
+
+
+def _check_prefix(prefix: Any) -> str:
+    if not isinstance(prefix, str):
+        raise TypeAndValueError(  # MindSpore: ValueError
+            f"'prefix' must be a str or a function of cb_params returning one, but got "
+            f"{type(prefix).__name__}."
+        )
+    if not prefix or "/" in prefix or os.sep in prefix:
+        raise ValueError(
+            f"'prefix' must be a file name prefix without '/', but got {prefix!r}; put the "
+            "folder in 'directory'."
+        )
+    return prefix
+
+
+def _qualname(fn: Any) -> str:
+    return str(getattr(fn, "__qualname__", type(fn).__name__))

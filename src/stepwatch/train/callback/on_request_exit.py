@@ -13,7 +13,7 @@ from typing import Any
 
 from ..._validation import check_bool
 from ..resume import build_checkpoint
-from ..serialization import write_atomic
+from ..serialization import save_checkpoint, write_atomic
 from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["OnRequestExit"]
@@ -29,6 +29,12 @@ class OnRequestExit(Callback):
     (validation, ``on_train_epoch_end``, ``on_train_end`` and every ``__exit__`` run), so the
     process can exit 0. A second SIGINT while stopping interrupts at once (KeyboardInterrupt).
     Resume with ``model.fit(..., resume_from=f"{directory}/{file_name}.pt")``.
+
+    In ``Model.eval`` the signal ends the pass after the step in flight and the evaluated
+    network's weights are saved to ``{directory}/{file_name}_eval.pt``. As in MindSpore, the
+    handler stays installed when the run ends, so a signal between two runs (or before the
+    next one has begun) does not kill the process; outside a run, SIGINT still interrupts
+    at once.
 
     Args:
         save_ckpt: write the checkpoint before stopping.
@@ -80,33 +86,68 @@ class OnRequestExit(Callback):
         self.received: signal.Signals | None = None
         self.checkpoint_path: Path | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._running = False  # a run (training, or Model.eval on its own) is in progress
+        self._evaluating = False
 
     @property
     def path(self) -> Path:
         return self.directory / f"{self.file_name}.pt"
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is not None and signum == signal.SIGINT:
+        if signum == signal.SIGINT and (self.received is not None or not self._running):
             raise KeyboardInterrupt
         self.received = signal.Signals(signum)
 
-    def on_train_begin(self, run_context: RunContext) -> None:
-        self.received = None
-        self.checkpoint_path = None
+    def _install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             warnings.warn(
                 "OnRequestExit only works when training runs on the main thread; signals are "
                 "not handled.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
             return
         for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handle)
+            current = signal.getsignal(s)
+            if current != self._handle:
+                self._previous.setdefault(s, current)
+                signal.signal(s, self._handle)
 
-    def _restore_handlers(self) -> None:
+    def on_train_begin(self, run_context: RunContext) -> None:
+        self.received = None
+        self.checkpoint_path = None
+        self._running = True
+        self._install()
+
+    def on_eval_begin(self, run_context: RunContext) -> None:
+        if run_context.cb_params.get("mode") == "eval" and not self._running:
+            # Model.eval on its own: its own run (inside fit, the training run's state holds).
+            self.received = None
+            self.checkpoint_path = None
+            self._running = self._evaluating = True
+            self._install()
+
+    def on_eval_step_end(self, run_context: RunContext) -> None:
+        if self._evaluating and self.received is not None:
+            run_context.request_stop(f"received {self.received.name}", interrupted=True)
+
+    def on_eval_end(self, run_context: RunContext) -> None:
+        if not self._evaluating:
+            return
+        self._evaluating = self._running = False
+        if self.received is not None and self.save_ckpt and run_context.cb_params.rank_id == 0:
+            network = run_context.cb_params.get("eval_network") or run_context.cb_params.network
+            self.checkpoint_path = save_checkpoint(network, self.eval_path)
+
+    @property
+    def eval_path(self) -> Path:
+        return self.directory / f"{self.file_name}_eval.pt"
+
+    def restore_handlers(self) -> None:
+        """Put back the signal handlers that were installed before this callback's."""
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            if signal.getsignal(s) == self._handle:
+                signal.signal(s, handler)
         self._previous.clear()
 
     def _stop(self, run_context: RunContext, epoch_complete: bool) -> None:
@@ -132,7 +173,7 @@ class OnRequestExit(Callback):
             self._stop(run_context, epoch_complete=True)
 
     def on_train_end(self, run_context: RunContext) -> None:
-        self._restore_handlers()
+        self._running = False
 
     def __exit__(self, *err: Any) -> None:
-        self._restore_handlers()
+        self._running = self._evaluating = False

@@ -82,15 +82,16 @@ class ReduceLROnPlateau(MonitorCallback):
         current = self.monitor_value(cb_params)
         if current is None:
             return
-        in_cooldown = self.cooldown_counter > 0
-        if in_cooldown:
+        if self.cooldown_counter > 0:
             self.cooldown_counter -= 1
             self.wait = 0
         if self.is_improvement(current):
             self.best = current
             self.wait = 0
             return
-        if in_cooldown:
+        # Read after the count-down, as MindSpore and Keras do: the epoch on which the
+        # cooldown ends already counts towards the patience.
+        if self.cooldown_counter > 0:
             return
         self.wait += 1
         if self.wait >= self.patience:

@@ -1,0 +1,165 @@
+"""MindSpore's callback behaviours that code written for MindSpore relies on, by import swap."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from stepwatch import (
+    CheckpointConfig,
+    EarlyStopping,
+    History,
+    LossMonitor,
+    ModelCheckpoint,
+    ReduceLROnPlateau,
+    RunContext,
+)
+from stepwatch.train.callback._callback import CallbackList
+from stepwatch.train.metrics import get_metric_fn
+
+from .conftest import make_batches, make_model
+
+
+def _hand_made(**fields: Any) -> RunContext:
+    """A RunContext over a cb_params built by hand with MindSpore's few fields."""
+    return RunContext(fields)
+
+
+# -- 1. old and new hook names reach each other ---------------------------------------------
+class LoudLoss(LossMonitor):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.steps: list[int] = []
+
+    def step_end(self, run_context: Any) -> None:
+        self.steps.append(run_context.original_args().cur_step_num)
+        super().step_end(run_context)  # LossMonitor's own line
+
+
+def test_a_subclass_overriding_a_1x_hook_of_a_builtin_is_called(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    loud = LoudLoss()
+    make_model().train(2, make_batches(3), callbacks=[loud])
+    assert loud.steps == [1, 2, 3, 4, 5, 6]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss is" in line]
+    assert len(lines) == 6 and lines[0].startswith("epoch: 1 step: 1, loss is")
+
+
+def test_calling_a_builtins_1x_hook_directly_acts(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = _hand_made(cur_epoch_num=1, cur_step_num=3, batch_num=4, net_outputs=torch.tensor(0.25))
+    LossMonitor(1).step_end(rc)
+    assert capsys.readouterr().out == "epoch: 1 step: 3, loss is 0.25\n"
+    history = History()
+    history.begin(rc)
+    rc.cb_params.train_results = {"loss": 0.5}
+    history.epoch_end(rc)
+    assert history.history["loss"] == [0.5] and history.epoch == {"epoch": [1]}
+
+
+# -- 2. built-ins on a cb_params built by hand -----------------------------------------------
+def test_builtins_run_on_a_hand_made_cb_params(capsys: pytest.CaptureFixture[str]) -> None:
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    rlr = ReduceLROnPlateau("loss", factor=0.1, patience=1, verbose=True)
+    stop = EarlyStopping("loss", patience=1, verbose=True)
+    for epoch in (1, 2):
+        rc = _hand_made(cur_epoch_num=epoch, cur_step_num=epoch, batch_num=1, optimizer=opt,
+                        train_results={"loss": 1.0}, net_outputs=torch.tensor(1.0))  # fmt: skip
+        for cb in (rlr, stop):
+            cb.epoch_end(rc)
+    stop.end(rc)  # the 1.x name: EarlyStopping's on_train_end prints its line
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert stop.stopped_epoch == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "Epoch 00002: ReduceLROnPlateau reducing learning rate to 0.1.",
+        "Epoch 00002: early stopping",
+    ]
+
+
+# -- 4. a monitor other than 'loss' reads eval_results -------------------------------------
+def test_a_monitor_reads_eval_results_without_a_valid_dataset() -> None:
+    stop = EarlyStopping("accuracy", patience=1)
+    for epoch, acc in ((1, 0.5), (2, 0.5), (3, 0.5)):
+        rc = _hand_made(cur_epoch_num=epoch, cur_step_num=epoch, batch_num=1,
+                        train_results={"loss": 1.0}, eval_results={"accuracy": acc})  # fmt: skip
+        stop.on_train_epoch_end(rc)
+        if rc.stop_requested:
+            break
+    assert stop.stopped_epoch == 2 and stop.best == 0.5
+
+
+# -- 5. CheckpointConfig as MindSpore stores it ----------------------------------------------
+def test_checkpoint_config_defaults_and_policy() -> None:
+    config = CheckpointConfig()
+    assert config.save_checkpoint_seconds is None and config.keep_checkpoint_per_n_minutes is None
+    assert config.get_checkpoint_policy() == {
+        "save_checkpoint_steps": 1,
+        "save_checkpoint_seconds": None,
+        "keep_checkpoint_max": 5,
+        "keep_checkpoint_per_n_minutes": None,
+        "saved_network": None,
+    }
+    by_time = CheckpointConfig(save_checkpoint_steps=None, save_checkpoint_seconds=30)
+    assert by_time.get_checkpoint_policy()["save_checkpoint_seconds"] == 30
+
+
+# -- 6. errors of both kinds where MindSpore's type differs ---------------------------------
+def test_errors_are_instances_of_mindsporess_type_and_stepwatchs() -> None:
+    with pytest.raises(ValueError, match="'prefix' must be a str") as info:
+        ModelCheckpoint(123)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError)
+    for bad in ([None], ["x"]):
+        with pytest.raises(TypeError, match=r"callbacks\[0\] must be a Callback instance"):
+            CallbackList(bad)  # type: ignore[arg-type]
+    with pytest.raises(KeyError) as missing:
+        get_metric_fn("nope")
+    assert isinstance(missing.value, ValueError)
+    assert str(missing.value).startswith("unknown metric name 'nope'")
+
+
+# -- 7. prefix and directory as functions of cb_params ---------------------------------------
+def test_checkpoint_prefix_and_directory_may_be_functions(tmp_path: Path) -> None:
+    saver = ModelCheckpoint(
+        prefix=lambda p: f"net_rank{p.rank_id}",
+        directory=lambda p: tmp_path / f"rank_{p.rank_id}",
+        config=CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10),
+    )
+    make_model().train(1, make_batches(4), callbacks=[saver])
+    names = sorted(p.name for p in (tmp_path / "rank_0").glob("net_rank0-*.pt"))
+    assert names == ["net_rank0-1_2.pt", "net_rank0-1_4.pt", "net_rank0-last.pt"]
+    with pytest.raises(ValueError, match="without '/'"):
+        make_model().train(
+            1,
+            make_batches(2),
+            callbacks=[ModelCheckpoint(prefix=lambda p: "a/b", directory=tmp_path)],
+        )
+
+
+# -- 8. lines printed as MindSpore prints them -----------------------------------------------
+class _FlushClears:
+    """A stdout replacement of the kind MindSpore's own tests use: flush() hands the text on
+    (here: drops it), so a line printed with flush=True is lost."""
+
+    def __init__(self) -> None:
+        self.content = ""
+
+    def write(self, text: str) -> int:
+        self.content += text
+        return len(text)
+
+    def flush(self) -> None:
+        self.content = ""
+
+
+def test_fit_lines_survive_a_stdout_that_acts_on_flush(monkeypatch: pytest.MonkeyPatch) -> None:
+    sink = _FlushClears()
+    monkeypatch.setattr(sys, "stdout", sink)
+    model = make_model(metrics={"accuracy"})
+    model.fit(1, make_batches(2), make_batches(2), callbacks=[LossMonitor(1)])
+    assert "epoch: 1 step: 2, loss is" in sink.content
+    assert "Eval result: epoch 1, metrics: {" in sink.content
