@@ -42,6 +42,15 @@ def test_demo_inject_spike_shows_the_alert_and_the_rollback(tmp_path: Path) -> N
     assert result.stderr.count("step 235: loss jumped to") == 1
 
 
+def test_demo_inject_nan_is_stopped_and_stored_as_an_anomaly(tmp_path: Path) -> None:
+    # LossMonitor prints the NaN line and leaves the decision to AnomalyMonitor: exit 0.
+    result = run_cli("demo", "--epochs", "6", "--inject", "nan", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^1 +digits-demo +anomaly ", result.stdout, re.M)
+    with stepwatch.Store(tmp_path / "stepwatch.db") as store:
+        assert store.run(1).config["inject"] == "nan"
+
+
 def test_version_and_bad_arguments() -> None:
     assert run_cli("--version").stdout.strip() == f"stepwatch {stepwatch.__version__}"
     bad = run_cli("demo", "--epochs", "0")

@@ -147,7 +147,13 @@ def run_demo(
     recorder = RunRecorder(
         db=db,
         run_name="digits-demo",
-        config={"seed": seed, "batch_size": 32, "hidden": 128, "precision": model.precision},
+        config={
+            "seed": seed,
+            "batch_size": 32,
+            "hidden": 128,
+            "precision": model.precision,
+            "inject": inject,  # so that compare tells a broken run from a healthy one
+        },
     )
     rank, world = rank_and_world()
     say = print if rank == 0 else _quiet
