@@ -259,3 +259,44 @@ def test_server_arguments_are_checked(tmp_path: Path) -> None:
         make_server(tmp_path / "none.db", port=70000)
     with pytest.raises(TypeError, match="'host'"):
         make_server(tmp_path / "none.db", host=None)  # type: ignore[arg-type]
+
+
+def _get_with_host(server: DashboardServer, path: str, host_header: str) -> tuple[int, Any]:
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(str(host), int(port), timeout=30)
+    try:
+        conn.putrequest("GET", path, skip_host=True)
+        conn.putheader("Host", host_header)
+        conn.endheaders()
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        conn.close()
+
+
+def test_a_foreign_host_header_is_refused(served: tuple[DashboardServer, Path]) -> None:
+    # DNS rebinding: a page on evil.example resolving its name to 127.0.0.1 reads nothing.
+    server, _ = served
+    port = server.server_address[1]
+    status, body = _get_with_host(server, "/api/runs", f"evil.example:{port}")
+    assert status == 403 and "evil.example" in body["error"]
+    for name in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert _get_with_host(server, "/api/runs", name)[0] == 200
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/runs/1/metrics/step_loss?after=99999999999999999999",
+        "/api/runs/1/metrics/step_loss?max_points=" + "9" * 40,
+        "/api/runs/" + "5" * 5000 + "/keys",
+    ],
+)
+def test_integers_beyond_64_bits_are_a_400(served: tuple[DashboardServer, Path], path: str) -> None:
+    server, _ = served
+    status, body, _ = _get(server, path)
+    assert status == 400 and "64-bit" in body["error"]
+
+
+def test_the_listen_backlog_holds_many_clients(served: tuple[DashboardServer, Path]) -> None:
+    assert served[0].request_queue_size >= 128

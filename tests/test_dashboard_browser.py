@@ -137,3 +137,30 @@ def test_dashboard_in_headless_chromium(browser: Any, tmp_path: Path) -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def test_markup_from_a_crafted_store_is_shown_as_text(browser: Any, tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "crafted.db"
+    writer = RunWriter(db, name="<b>bold</b>")
+    writer.log("step_loss", 1.0, 1)
+    writer.close()
+    evil = '<img src=x onerror="window.__pwned=1">'
+    with sqlite3.connect(db) as conn:  # a file crafted by someone else
+        conn.execute("UPDATE runs SET status = ?", (evil,))
+    server = make_server(db, port=0)
+    thread = serve_in_thread(server)
+    try:
+        browser.get(server.url)
+        wait_until(lambda: len(browser.find_elements("css selector", "#runs tbody tr")) == 1)
+        status = browser.find_element("css selector", "#runs tbody .status")
+        assert status.text == evil
+        name = browser.find_element("css selector", "#runs tbody td:nth-child(3)")
+        assert name.text == "<b>bold</b>"
+        assert browser.find_elements("css selector", "#runs img, #runs b") == []
+        assert browser.execute_script("return window.__pwned === undefined;")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

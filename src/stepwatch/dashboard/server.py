@@ -29,6 +29,7 @@ import json
 import math
 import mimetypes
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -161,14 +162,32 @@ def _int_params(query: str) -> dict[str, int | None]:
             check_int(name, number, minimum=2 if name == "max_points" else None)
         except ValueError as exc:
             raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        if not -_INT64 <= number <= _INT64:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"{name!r} is out of range (a 64-bit integer)")
         params[name] = number
     return params
+
+
+_INT64 = 2**63 - 1
 
 
 def _run_id(text: str) -> int:
     if not text.isdigit() or not text.isascii():
         raise _HTTPError(HTTPStatus.BAD_REQUEST, f"a run id is an integer, but got {text!r}")
+    if len(text) > 19 or int(text) > _INT64:
+        raise _HTTPError(HTTPStatus.BAD_REQUEST, "a run id is a 64-bit integer; this one is larger")
     return int(text)
+
+
+_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port (``[::1]:8765`` -> ``::1``)."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -189,6 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _answer(self, head: bool) -> None:
         parts = urlsplit(self.path)
         try:
+            self._check_host()
             if parts.path.startswith("/api/"):
                 body = json.dumps(_clean(self._api(parts.path, parts.query))).encode()
                 self._send(HTTPStatus.OK, "application/json", body, head)
@@ -239,6 +259,21 @@ class _Handler(BaseHTTPRequestHandler):
             return api.metrics(run, segments[3], _int_params(query))
         raise _HTTPError(HTTPStatus.NOT_FOUND, f"no API at {path!r}; see GET /api/runs")
 
+    def _check_host(self) -> None:
+        """Refuse a request whose Host header names another machine: a web page the user
+        visits could otherwise point its own name at 127.0.0.1 (DNS rebinding) and read every
+        run. A server bound to every address (``--host 0.0.0.0``) takes any name."""
+        allowed = self.server.host_names
+        if allowed is None:
+            return
+        name = _host_name(self.headers.get("Host") or "")
+        if name not in allowed:
+            raise _HTTPError(
+                HTTPStatus.FORBIDDEN,
+                f"this dashboard answers requests for {', '.join(sorted(allowed))} only; "
+                f"the request named {name or 'no host'!r}",
+            )
+
     def _static(self, path: str) -> tuple[bytes, str]:
         root = self.server.static
         name = unquote(path).lstrip("/") or "index.html"
@@ -259,6 +294,8 @@ class DashboardServer(ThreadingHTTPServer):
     :meth:`server_close` (this also closes the store)."""
 
     daemon_threads = True
+    # Many browser tabs and scripts at once: the standard library's default backlog is 5.
+    request_queue_size = 128
 
     def __init__(
         self, store: Store, host: str, port: int, static: Path = STATIC, verbose: bool = False
@@ -267,6 +304,11 @@ class DashboardServer(ThreadingHTTPServer):
         self.store = store
         self.static = static.resolve()
         self.verbose = verbose
+        # The names a request may use in its Host header (None: any, when bound to every
+        # address).
+        self.host_names: frozenset[str] | None = (
+            None if host in ("", "0.0.0.0", "::") else _LOCAL_NAMES | {host.strip("[]").lower()}
+        )
         super().__init__((host, port), _Handler)
 
     @property
@@ -325,7 +367,18 @@ def serve(
     """Serve the dashboard until interrupted (Ctrl-C). ``ready`` is called with the server
     once it listens (``stepwatch serve`` prints its URL there)."""
     server = make_server(db, host, port, verbose)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM ends the server as Ctrl-C does: the store is closed, and SQLite removes its
+        # -wal/-shm files.
+        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        if server.host_names is None or not server.host_names <= _LOCAL_NAMES:
+            print(
+                f"warning: the dashboard has no login: anyone who can reach {server.url} can "
+                "read every run in the store",
+                file=sys.stderr,
+            )
         if ready is not None:
             ready(server)
         else:
@@ -333,6 +386,12 @@ def serve(
         server.serve_forever(poll_interval=0.25)
     finally:
         server.server_close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def serve_in_thread(server: DashboardServer) -> threading.Thread:

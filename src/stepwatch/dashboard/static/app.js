@@ -95,16 +95,19 @@ function renderTable() {
     const tr = document.createElement("tr");
     tr.dataset.run = run.id;
     if (state.selected.has(run.id)) tr.classList.add("selected");
+    // Every field from the store is escaped: a crafted file must not put markup in the page.
+    const status = String(run.status);
+    const statusClass = status.replace(/[^a-z]/g, "");
     const cells = [
-      `<input type="checkbox" aria-label="overlay run ${run.id}"${state.selected.has(run.id) ? " checked" : ""}>`,
-      run.id,
+      `<input type="checkbox" aria-label="overlay run ${escapeHTML(run.id)}"${state.selected.has(run.id) ? " checked" : ""}>`,
+      escapeHTML(run.id),
       escapeHTML(run.name),
-      `<span class="status status-${run.status}">${run.status}</span>`,
-      fmtTime(run.started),
-      fmtDuration(run.duration),
-      run.steps,
-      fmtNumber(run.last_loss),
-      fmtNumber(run.best_loss),
+      `<span class="status status-${statusClass}">${escapeHTML(status)}</span>`,
+      escapeHTML(fmtTime(run.started)),
+      escapeHTML(fmtDuration(run.duration)),
+      escapeHTML(run.steps),
+      escapeHTML(fmtNumber(run.last_loss)),
+      escapeHTML(fmtNumber(run.best_loss)),
       escapeHTML(keyMetrics(run)),
     ];
     tr.innerHTML = cells.map((c, i) => `<td${[1, 6, 7, 8].includes(i) ? ' class="num"' : ""}>${c}</td>`).join("");
