@@ -539,3 +539,41 @@ def test_checkpoint_files_get_the_mode_the_umask_gives(tmp_path: Path) -> None:
         assert path.stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_failed_checkpoint_write_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"cannot write checkpoint '.*w\.pt' \(\d+ KiB free"):
+        stepwatch.save_checkpoint(nn.Linear(2, 1), tmp_path / "w.pt")
+    assert list(tmp_path.iterdir()) == []  # no temporary file left behind
+
+
+def test_a_resume_naming_the_folder_relatively_continues_the_same_series(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10)
+    first = ModelCheckpoint("net", tmp_path / "ck", config)  # absolute
+    make_model().train(1, make_batches(4), callbacks=[first])
+    again = ModelCheckpoint("net", "ck", config)  # the same folder, named relatively
+    make_model().train(
+        2, make_batches(4), callbacks=[again], resume_from=tmp_path / "ck" / "net-last.pt"
+    )
+    names = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert again.prefix == "net" and not any(n.startswith("net_1") for n in names)
+    assert "net-2_4.pt" in names
+
+
+def test_a_killed_snapshot_write_is_cleaned_up_at_the_next_start(tmp_path: Path) -> None:
+    snaps = tmp_path / "snaps"
+    snaps.mkdir()
+    stale = snaps / ".tmp-anomaly-spike-step40.ptxyz"
+    stale.write_bytes(b"x" * 1000)
+    monitor = stepwatch.AnomalyMonitor(detectors=["nonfinite"], snapshot_dir=snaps)
+    make_model().train(1, make_batches(2), callbacks=[monitor])
+    assert not stale.exists()

@@ -61,3 +61,51 @@ def test_a_store_kind_without_a_backend_is_refused_without_the_password() -> Non
         RunRecorder(db="mysql://x/y")
     with pytest.raises(TypeError, match="'db' must be a path, a store URL or None"):
         RunRecorder(db=123)  # type: ignore[arg-type]
+
+
+def _store_with_a_run(path: Path, points: int = 5000) -> None:
+    import numpy as np
+
+    writer = RunWriter(path, name="kept")
+    writer.log_batch("step_loss", range(points), np.linspace(1.0, 0.1, points))
+    writer.close()
+
+
+def test_a_truncated_store_is_refused_by_readers_and_writers(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db)
+    data = db.read_bytes()
+    db.write_bytes(data[: int(len(data) * 0.99)])
+    for open_it in (lambda: Store(db), lambda: RunWriter(db), lambda: RunRecorder(db=db)):
+        with pytest.raises(ValueError, match="is damaged: it is truncated"):
+            open_it()
+
+
+def test_a_store_with_damaged_pages_gets_no_new_run(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db)
+    data = bytearray(db.read_bytes())
+    page = 4096
+    for offset in range(3 * page, len(data) - page, 7 * page):  # scribble over some pages
+        data[offset + 100 : offset + 300] = b"\xff" * 200
+    db.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"is damaged \(SQLite's quick_check"):
+        RunWriter(db)
+
+
+def test_a_newer_or_changed_store_is_refused_naming_the_versions(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db, 10)
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    for open_it in (lambda: Store(db), lambda: RunWriter(db)):
+        with pytest.raises(ValueError, match=r"newer stepwatch \(store schema 99; this version"):
+            open_it()
+    other = tmp_path / "changed.db"
+    _store_with_a_run(other, 10)
+    with sqlite3.connect(other) as conn:
+        conn.execute("ALTER TABLE points RENAME COLUMN value TO v")
+    with pytest.raises(ValueError, match=r"table 'points' lacks \['value'\]"):
+        Store(other)

@@ -9,7 +9,9 @@ the target, so a process killed mid-save leaves the previous file intact. Files 
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -85,7 +87,17 @@ def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
         # mkstemp makes the file 0600; a checkpoint gets the mode any new file would (umask).
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            try:
+                torch.save(state, f)
+            except RuntimeError as exc:  # torch's own words for a failed write (a full disk)
+                text = str(exc).strip()
+                reason = text.splitlines()[-1] if text else "error"
+                free = shutil.disk_usage(target.parent).free
+                raise OSError(
+                    errno.ENOSPC if free < 1 << 20 else errno.EIO,
+                    f"cannot write checkpoint {str(target)!r} ({free // 1024} KiB free on its "
+                    f"disk): {reason}",
+                ) from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_name, target)

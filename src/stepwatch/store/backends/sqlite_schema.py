@@ -104,6 +104,12 @@ def check_writable_db(path: Path, argname: str = "db") -> None:
                     f"'{argname}' {str(path)!r} is an SQLite database of something else (tables "
                     f"{sorted(tables)[:5]}); pass a file of its own for the run store."
                 )
+            if tables:
+                reader = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+                try:
+                    check_store(reader, path)  # newer, changed or cut off: refused before training
+                finally:
+                    reader.close()
         return
     probe = nearest_existing(path.parent)
     if not probe.is_dir():
@@ -139,8 +145,77 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
                 conn.execute("ROLLBACK")
             raise
 
-    _retry(create)
+    try:
+        _retry(create)
+        _retry(lambda: check_store(conn, path, thorough=True))
+    except BaseException:
+        conn.close()
+        raise
     return conn
+
+
+# The columns every version's tables have (a file whose tables lack one was changed by hand
+# or by another program, and would fail everywhere with 'no such column').
+_COLUMNS = {
+    "runs": {"id", "name", "status", "started", "ended", "host", "pid", "config", "heartbeat"},
+    "keys": {"id", "name"},
+    "points": {"run", "key", "step", "epoch", "time", "value"},
+    "events": {"id", "run", "step", "epoch", "time", "kind", "level", "message", "data"},
+}
+
+
+def check_store(conn: sqlite3.Connection, path: Path, thorough: bool = False) -> None:
+    """Refuse a store this version cannot use, with a clear ValueError: one of a newer schema,
+    one whose tables were changed, and one that is damaged (truncated; with ``thorough``, any
+    page SQLite's ``quick_check`` finds broken - done before writing, so a new run never goes
+    into a file it could not be read back from)."""
+    where = repr(str(path))
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        version = int(row[0]) if row is not None else None
+        layout = {
+            table: {r[1] for r in conn.execute(f"PRAGMA table_info({table})")} for table in _COLUMNS
+        }
+        page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        page_count = int(conn.execute("PRAGMA page_count").fetchone()[0])
+        problems = conn.execute("PRAGMA quick_check(3)").fetchall() if thorough else [("ok",)]
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise  # another process is writing: the caller retries
+        raise ValueError(f"{where} is not a readable stepwatch store: {exc}") from None
+    except (sqlite3.DatabaseError, ValueError, TypeError) as exc:
+        raise ValueError(f"{where} is not a readable stepwatch store: {exc}") from None
+    if version is not None and version > SCHEMA_VERSION:
+        raise ValueError(
+            f"{where} was written by a newer stepwatch (store schema {version}; this version "
+            f"reads schema {SCHEMA_VERSION} and older): upgrade stepwatch to use it."
+        )
+    for table, columns in _COLUMNS.items():
+        missing = sorted(columns - layout[table])
+        if missing:
+            raise ValueError(
+                f"{where} is not a stepwatch store this version can use: its table "
+                f"{table!r} lacks {missing} (schema {version}, expected {SCHEMA_VERSION})."
+            )
+    # Only with no write-ahead log: while writers work, the file and its header may be
+    # between two checkpoints.
+    wal = Path(f"{path}-wal")
+    quiet = not wal.exists() or wal.stat().st_size == 0
+    # (The file is never opened here, only stat'ed: closing a second descriptor on a database
+    # would drop this process's SQLite locks on it.)
+    expected = page_count * page_size
+    size = path.stat().st_size if path.is_file() else 0
+    if quiet and expected > size:
+        raise ValueError(
+            f"{where} is damaged: it is truncated ({size} bytes of {expected}). Restore a "
+            "copy, or record into a new file."
+        )
+    if [tuple(r) for r in problems] != [("ok",)]:
+        first = str(problems[0][0]).splitlines()[0]
+        raise ValueError(
+            f"{where} is damaged (SQLite's quick_check: {first}). Restore a copy, or record "
+            "into a new file; nothing was written to it."
+        )
 
 
 def sqlite_uri(path: Path, mode: str, immutable: bool = False) -> str:
@@ -182,6 +257,11 @@ def connect_for_reading(path: Path) -> sqlite3.Connection:
     if row is None:
         conn.close()
         raise ValueError(f"{str(path)!r} is not a stepwatch database (no schema version)")
+    try:
+        check_store(conn, path)
+    except BaseException:
+        conn.close()
+        raise
     return conn
 
 

@@ -34,6 +34,7 @@ from ...monitor.detectors import (
 )
 from ...view.run import RunView, view_of
 from ...view.tap import Chunk
+from ..serialization import remove_stale_temporaries
 from ._anomaly_actions import (
     GradStats,
     StateKeeper,
@@ -228,6 +229,8 @@ class AnomalyMonitor(Callback):
         self._scaled = p.get("loss_scaler") is not None
         # A cb_params built by hand has nobody pushing losses into the tap: push them here.
         self._feed = not view.fed
+        if view.rank == 0 and self.snapshot_dir.is_dir():
+            remove_stale_temporaries(self.snapshot_dir, "anomaly-")  # a killed snapshot write
         view.tap.subscribe(READ_EVERY, self._take)
 
     def _take(self, chunk: Chunk) -> None:

@@ -136,12 +136,13 @@ class ModelCheckpoint(MonitorCallback):
         self._prefix_requested = prefix if self._prefix_fn is None else "CKP"
         self.prefix = self._prefix_requested
         self.directory = Path(directory) if directory is not None else Path.cwd()
-        self._names = (
-            prefix if self._prefix_fn is None else f"<{_qualname(prefix)}>",
-            str(self.directory)
-            if self._directory_fn is None
-            else f"<{_qualname(self._directory_fn)}>",
-        )
+        # What the state key names: the prefix and the folder (absolute, so that a resumed run
+        # naming it relatively where the first run named it absolutely is the same series),
+        # or the functions that give them.
+        named_dir = str(self.directory.resolve())
+        if self._directory_fn is not None:
+            named_dir = f"<{_qualname(self._directory_fn)}>"
+        self._names = (prefix if self._prefix_fn is None else f"<{_qualname(prefix)}>", named_dir)
         self.config = config
         self.latest_ckpt_file_name: str | None = None
         self.best_ckpt_file_name: str | None = None
