@@ -577,3 +577,19 @@ def test_a_killed_snapshot_write_is_cleaned_up_at_the_next_start(tmp_path: Path)
     monitor = stepwatch.AnomalyMonitor(detectors=["nonfinite"], snapshot_dir=snaps)
     make_model().train(1, make_batches(2), callbacks=[monitor])
     assert not stale.exists()
+
+
+def test_flipped_bytes_in_a_checkpoints_weights_are_found_on_load(tmp_path: Path) -> None:
+    import struct
+
+    net = nn.Linear(64, 64)
+    path = stepwatch.save_checkpoint(net, tmp_path / "w.pt")
+    stepwatch.load_checkpoint(path, nn.Linear(64, 64))  # intact: loads
+    data = bytearray(path.read_bytes())
+    needle = struct.pack("<f", float(net.weight.detach()[3, 5]))
+    at = data.find(needle)
+    assert at > 0
+    data[at : at + 4] = struct.pack("<f", 9.75)  # one weight changed on disk
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="is damaged: its contents do not match the checksum"):
+        stepwatch.load_checkpoint(path, nn.Linear(64, 64))

@@ -453,3 +453,17 @@ def test_cli_missing_and_corrupt_database(tmp_path: Path) -> None:
     corrupt = run_cli("show", "1", "--db", str(tmp_path / "bad.db"))
     assert corrupt.returncode == 2 and "not a stepwatch database" in corrupt.stderr
     assert len(corrupt.stderr.strip().splitlines()) == 1
+
+
+def test_sigterm_flushes_the_recorder_before_the_process_dies(tmp_path: Path) -> None:
+    # Nothing would be written for 60 s: the SIGTERM at step 13 must not lose steps 1-13.
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.jobs.train_job", "sigterm-at-step", str(tmp_path), "13"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == -signal.SIGTERM, result.stderr  # still dies of the signal
+    with Store(tmp_path / "runs.db") as store:
+        run = store.runs()[0]
+        assert run.status == "interrupted"
+        assert store.metrics(run.id, "step_loss")[0].tolist() == list(range(1, 14))
+        assert any("SIGTERM" in e["message"] for e in store.events(run.id))

@@ -8,6 +8,8 @@ MODE:
   save-forever         save a checkpoint every step until killed
   wait-for-sigterm     train with OnRequestExit until a signal arrives
   crash-at-epoch N     train with BackupAndRestore; raise at the end of epoch N
+  sigterm-at-step N    record into DIR/runs.db (nothing written for 60 s); SIGTERM itself at
+                       global step N, with no handler of its own
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from stepwatch import (
     OnRequestExit,
     ReduceLROnPlateau,
     RunContext,
+    RunRecorder,
 )
 
 EPOCHS = 6
@@ -75,6 +78,15 @@ class KillSelf(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class TermSelf(Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_step_end(self, run_context: RunContext) -> None:
+        if run_context.original_args().cur_step_num == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 class Crash(Callback):
     order = 1000
 
@@ -112,6 +124,10 @@ def main(argv: list[str]) -> None:
         callbacks = [Announce(), OnRequestExit(directory=directory, file_name="exit")]
         model.fit(100_000, train, valid, callbacks=callbacks)
         print("clean exit", flush=True)
+    elif mode == "sigterm-at-step":
+        model, train, _ = build()
+        recorder = RunRecorder(db=directory / "runs.db", flush_seconds=60, transfer_every=256)
+        model.train(EPOCHS, train, callbacks=[recorder, TermSelf(arg)])
     elif mode == "crash-at-epoch":
         model, train, valid = build()
         callbacks = [*steering(), BackupAndRestore(directory), Crash(arg)]

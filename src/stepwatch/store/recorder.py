@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -178,6 +180,7 @@ class RunRecorder(Callback):
         self._transfer_step = p.cur_step_num
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
+        self._catch_sigterm()
         # A chunk per transfer; a look at the clock every 16 steps, so that slow steps are
         # still written within the flush period.
         view.tap.subscribe(
@@ -280,7 +283,38 @@ class RunRecorder(Callback):
             writer.event("stop", f"training stopped: {reason}", p.cur_step_num, p.cur_epoch_num)
         writer.close(_final_status(run_context))
 
+    # -- SIGTERM (torchrun tearing a job down, a scheduler's kill): write what is queued first --
+    def _catch_sigterm(self) -> None:
+        """With nobody else handling SIGTERM (OnRequestExit would), the default action kills
+        the process before the writer's queue is written: flush it and mark the run
+        ``interrupted`` first, then die of the signal as before."""
+        self._sigterm_installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+            return
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._sigterm_installed = True
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        writer = self.writer
+        try:
+            if writer is not None and not writer.closed and self._cb_params is not None:
+                self._flush(self._cb_params)
+                writer.event("stop", "training killed by SIGTERM", level="error")
+                writer.close("interrupted", timeout=10.0)
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _release_sigterm(self) -> None:
+        if getattr(self, "_sigterm_installed", False):
+            self._sigterm_installed = False
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
     def _detach(self) -> None:
+        self._release_sigterm()
         view, self._view = self._view, None
         if view is not None:
             view.tap.unsubscribe(self._take)

@@ -13,6 +13,7 @@ import errno
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -74,9 +75,43 @@ def _umask() -> int:
     return mask
 
 
+CHECKSUM = "checksum"
+
+
+def checksum(state: Any) -> int:
+    """A CRC-32 over everything in ``state``: every tensor's dtype, shape and bytes, every
+    other value's text, in order. Written into each checkpoint and checked when it is read, so
+    flipped bytes on disk are found, not loaded into a network."""
+    crc = 0
+
+    def feed(obj: Any) -> None:
+        nonlocal crc
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach()
+            t = (t.cpu() if t.device.type != "cpu" else t).contiguous().reshape(-1)
+            crc = zlib.crc32(f"{t.dtype}{tuple(obj.shape)}".encode(), crc)
+            if t.numel():
+                crc = zlib.crc32(t.view(torch.uint8).numpy().data, crc)
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                crc = zlib.crc32(repr(key).encode(), crc)
+                feed(value)
+        elif isinstance(obj, (list, tuple)):
+            crc = zlib.crc32(b"[%d" % len(obj), crc)
+            for item in obj:
+                feed(item)
+        else:
+            crc = zlib.crc32(repr(obj).encode(), crc)
+
+    feed(state)
+    return crc
+
+
 def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``state`` to ``path`` atomically: the file is either the old one or the new one."""
+    """Write ``state`` to ``path`` atomically: the file is either the old one or the new one.
+    A checksum of the contents goes in with it (see :func:`checksum`)."""
     target = Path(path)
+    state = {**state, CHECKSUM: checksum(state)}
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(prefix=TMP_PREFIX + target.name, dir=target.parent)
@@ -176,6 +211,12 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise ValueError(f"{str(p)!r} is not a stepwatch checkpoint (no '{FORMAT}' marker).")
+    saved = state.pop(CHECKSUM, None)  # files written before checksums have none
+    if saved is not None and saved != checksum(state):
+        raise ValueError(
+            f"{str(p)!r} is damaged: its contents do not match the checksum written with them "
+            "(bytes changed on disk). Use another checkpoint, or restore a copy of this one."
+        )
     return state
 
 
