@@ -4,8 +4,9 @@ against a bare Python that imports ``sqlite3``; each sample in a fresh interpret
 1. Import: ``from stepwatch import Model`` (and a bare ``import stepwatch``) against
    ``import torch``. Each process times its own import with ``time.perf_counter()``
    (interpreter start-up left out). Goal: ``Model / torch <= 1.15``.
-2. CLI start: the wall time of a whole ``python -m stepwatch runs --db <missing>.db`` process
-   against ``python -c "import sqlite3"`` (interpreter start-up included in both), timed by
+2. CLI start: the wall time of a whole ``python -m stepwatch runs --db runs.db`` process on a
+   store of 20 runs (and, for reference, on a missing file: the error path) against
+   ``python -c "import sqlite3"`` (interpreter start-up included in both), timed by
    this script around ``subprocess.run``. The read commands import no torch, so the goal is
    ``cli / sqlite3 <= 4``; ``python -c "import torch"`` is timed too, for scale: it is what the
    CLI cost when the package imported torch eagerly.
@@ -139,6 +140,18 @@ def show_extra(label: str, extra: set[str], heavy: tuple[str, ...]) -> None:
         print(f"  none of: {', '.join(heavy)}")
 
 
+def _make_store(path: str) -> None:
+    """A store of 20 finished runs of 2,000 steps each: what `stepwatch runs` really reads."""
+    from stepwatch.store import RunWriter
+
+    for i in range(20):
+        writer = RunWriter(path, name=f"run-{i}", config={"lr": 0.1 * (i + 1)})
+        writer.log_batch("step_loss", range(1, 2001), [1.0 / (s + i) for s in range(1, 2001)])
+        for epoch in range(1, 5):
+            writer.log("loss", 1.0 / (epoch + i), epoch * 500, epoch)
+        writer.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="rounds (default 5)")
@@ -160,11 +173,16 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         missing = str(Path(folder) / "missing.db")
-        cli = "python -m stepwatch runs --db missing.db"
+        real = str(Path(folder) / "runs.db")
+        _make_store(real)
+        cli = "python -m stepwatch runs --db runs.db"
         samples = interleaved(
             {
                 'python -c "import sqlite3"': process_seconds(["-c", "import sqlite3"]),
-                cli: process_seconds(["-m", "stepwatch", "runs", "--db", missing], expect=2),
+                cli: process_seconds(["-m", "stepwatch", "runs", "--db", real]),
+                "(the error path: --db missing.db)": process_seconds(
+                    ["-m", "stepwatch", "runs", "--db", missing], expect=2
+                ),
                 'python -c "import torch"': process_seconds(["-c", "import torch"]),
             },
             args.runs,

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from stepwatch.monitor.detector_specs import make_detectors
 from stepwatch.monitor.detectors import (
     DETECTORS,
     Alert,
@@ -23,7 +24,6 @@ from stepwatch.monitor.detectors import (
     Plateau,
     Spike,
     Threshold,
-    make_detectors,
 )
 
 N = 5000

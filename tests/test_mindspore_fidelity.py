@@ -163,3 +163,22 @@ def test_fit_lines_survive_a_stdout_that_acts_on_flush(monkeypatch: pytest.Monke
     model.fit(1, make_batches(2), make_batches(2), callbacks=[LossMonitor(1)])
     assert "epoch: 1 step: 2, loss is" in sink.content
     assert "Eval result: epoch 1, metrics: {" in sink.content
+
+
+# -- wrong usages that now fail at the door -------------------------------------------------
+def test_wrong_usages_are_refused_at_construction(tmp_path: Path) -> None:
+    import io
+
+    from stepwatch import AnomalyMonitor, PlotMonitor, ProgressBar
+
+    closed = io.StringIO()
+    closed.close()
+    with pytest.raises(ValueError, match=r"'file' .* is closed"):
+        ProgressBar(file=closed)
+    with pytest.raises(TypeError, match=r"must take two arguments, fn\(alert, run_context\)"):
+        AnomalyMonitor(action=lambda alert: None)
+    AnomalyMonitor(action=lambda alert, run_context: None)  # the right shape
+    with pytest.raises(ValueError, match="'detectors' is empty"):
+        AnomalyMonitor(detectors=[])
+    with pytest.raises(ValueError, match="must name a PNG file"):
+        PlotMonitor(tmp_path / "curves.jpg")

@@ -134,19 +134,30 @@ def test_log_converts_odd_values_on_the_writer_thread(tmp_path: Path) -> None:
     from stepwatch import RunWriter
 
     writer = RunWriter(tmp_path / "s.db", flush_seconds=30)
-    logged = [1.5, 2, np.float32(0.25), torch.tensor(4.0), None, "x", True]
+    logged = [1.5, 2, np.float32(0.25), torch.tensor(4.0), True, float("nan")]
     for step, value in enumerate(logged):
         writer.log("v", value, np.int64(step), epoch=np.int64(1) if step % 2 else None)
     writer.log("w", 7.0, 0)
+    # What is not one number, a key that is not one, a step that is not a count: refused.
+    for key, value, step, error in (
+        ("v", None, 9, TypeError),
+        ("v", "abc", 9, TypeError),
+        ("v", [1.0], 9, TypeError),
+        ("v", 1j, 9, TypeError),
+        ("", 1.0, 9, TypeError),
+        ("v", 1.0, -1, ValueError),
+        ("v", 1.0, 2.5, TypeError),
+    ):
+        with pytest.raises(error):
+            writer.log(key, value, step)  # type: ignore[arg-type]
     writer.close()
     assert writer.written == len(logged) + 1 and writer.dropped == 0
     with Store(tmp_path / "s.db") as store:
         steps, stored = store.metrics(writer.run_id, "v")
         points = store.points(writer.run_id)
     assert steps.tolist() == list(range(len(logged)))
-    assert stored[:4].tolist() == [1.5, 2.0, 0.25, 4.0] and stored[6] == 1.0
-    assert np.isnan(stored[4]) and np.isnan(stored[5])  # not numbers: stored as NULL
-    assert [e for k, _, e, _, _ in points if k == "v"] == [None, 1, None, 1, None, 1, None]
+    assert stored[:5].tolist() == [1.5, 2.0, 0.25, 4.0, 1.0] and np.isnan(stored[5])
+    assert [e for k, _, e, _, _ in points if k == "v"] == [None, 1, None, 1, None, 1]
     assert ("w", 0) in {(k, s) for k, s, *_ in points}
 
 

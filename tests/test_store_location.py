@@ -109,3 +109,30 @@ def test_a_newer_or_changed_store_is_refused_naming_the_versions(tmp_path: Path)
         conn.execute("ALTER TABLE points RENAME COLUMN value TO v")
     with pytest.raises(ValueError, match=r"table 'points' lacks \['value'\]"):
         Store(other)
+
+
+def test_a_store_locked_by_another_process_is_reported_within_seconds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import sqlite3
+    import threading
+
+    from .conftest import wait_until
+
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db, 10)
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # another program holds the write lock
+    made: list[RunWriter] = []
+    thread = threading.Thread(target=lambda: made.append(RunWriter(db, name="waits")))
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        thread.start()
+        try:
+            wait_until(lambda: "is locked by another process; waiting" in caplog.text, timeout=20)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+            thread.join(60)
+    assert not thread.is_alive() and made and made[0].name == "waits"
+    made[0].close()

@@ -248,3 +248,39 @@ def test_the_hand_loop_example_stops_on_its_nan_and_stores_an_anomaly(tmp_path: 
     assert result.returncode == 0, result.stderr
     assert "stopped: nonfinite at step 26 (anomaly) after 26 steps" in result.stdout
     assert "stored as run 1 (hand-loop-nan): anomaly, 26 steps" in result.stdout
+
+
+def test_a_users_own_detector_is_fed_stored_and_acted_on_like_a_builtin(tmp_path: Path) -> None:
+    from stepwatch.monitor.detectors import Alert, Detector
+
+    class LossAbove(Detector):
+        """Fires once per episode of the loss above a bound."""
+
+        kind = "loss_above"
+        _advice = "check the data"
+
+        def __init__(self, bound: float) -> None:
+            super().__init__()
+            self.bound = bound
+
+        def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
+            if self._edge(value > self.bound):
+                return self._alert(step, epoch, f"loss {value:.3g} above {self.bound}", value)
+            return None
+
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    monitor = AnomalyMonitor(
+        detectors=["nonfinite", LossAbove(50.0)], action={"loss_above": "stop"}
+    )
+    run, computed, *_ = _train(tmp_path, [monitor, recorder], {21: 1e3})
+    assert (monitor.alerts[0].kind, monitor.alerts[0].step) == ("loss_above", 21)
+    assert {a.kind for a in monitor.alerts} == {"loss_above"}
+    assert run.stop_kind == "anomaly" and len(computed) == 24
+    with Store(db) as store:
+        event = next(e for e in store.events(recorder.run_id) if e["kind"] == "alert")
+        assert event["step"] == 21 and event["data"]["kind"] == "loss_above"
+        assert event["data"]["actions"] == ["stopping training"]
+        assert event["message"].endswith("above 50.0: check the data.")
+    with pytest.raises(ValueError, match="unknown detector kind 'loss_abov'"):
+        AnomalyMonitor(detectors=[LossAbove(1.0)], action={"loss_abov": "stop"})

@@ -55,8 +55,23 @@ def timestamp(seconds: float, with_seconds: bool = False) -> str:
     return when.strftime("%Y-%m-%d %H:%M:%S" if with_seconds else "%Y-%m-%d %H:%M")
 
 
+def width(text: str) -> int:
+    """The columns ``text`` takes in a terminal: wide (CJK) characters count two, combining
+    marks none, so tables of unicode run names stay aligned."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in text
+    )
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Left-aligned columns two spaces apart, header first; trailing spaces trimmed."""
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(header)]
+    widths = [max([width(h), *(width(r[i]) for r in rows)]) for i, h in enumerate(header)]
     lines = [header, *rows]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
+    return "\n".join(
+        "  ".join(c + " " * (w - width(c)) for c, w in zip(line, widths)).rstrip() for line in lines
+    )

@@ -17,10 +17,8 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ._schema import resolve_path
 
@@ -43,8 +41,7 @@ _BACKENDS: dict[str, tuple[str, str, str, str]] = {
 _SCHEMES = {"sqlite": "sqlite", "postgresql": "postgresql", "postgres": "postgresql"}
 
 
-@dataclass(frozen=True)
-class Location:
+class Location(NamedTuple):
     """Where a store is.
 
     Attributes:
@@ -73,6 +70,8 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
             )
         path = resolve_path(location)
         return Location("sqlite", path, str(path))
+    from urllib.parse import urlsplit  # only for a URL: the CLI starts faster without it
+
     text = str(location)
     parts = urlsplit(text)
     kind = _SCHEMES.get(parts.scheme.lower())
@@ -91,6 +90,8 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
 
 
 def _without_password(url: str) -> str:
+    from urllib.parse import urlsplit
+
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -217,6 +217,15 @@ class RunWriter:
     def log(self, key: str, value: Any, step: int, epoch: int | None = None) -> None:
         """Queue one point. ``value`` is a number or a one-element tensor (read later, on the
         writer thread)."""
+        if type(key) is not str or not key:  # cheap checks: this runs for every point
+            raise TypeError(f"'key' must be a non-empty str such as 'loss', but got {key!r}.")
+        if type(step) is not int or step < 0:
+            _check_step(step)
+        if type(value) not in _NUMBERS and not hasattr(value, "item"):
+            raise TypeError(
+                f"'value' of {key!r} must be a number or a one-element tensor, but got "
+                f"{value!r} with type '{type(value).__name__}'."
+            )
         if self._closed or (len(self._pending) >= self.max_pending and not self._room()):
             self.dropped += 1
             return
@@ -408,6 +417,18 @@ class RunWriter:
                 self.location,
                 self._disk_error,
             )
+
+
+_NUMBERS = frozenset({float, int, bool})
+
+
+def _check_step(step: Any) -> None:
+    import numbers
+
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"'step' must be an int >= 0, but got {step!r}.")
+    if step < 0:
+        raise ValueError(f"'step' must be an int >= 0, but got {step!r}.")
 
 
 _INT, _INT_OR_NONE, _FLOAT = frozenset({int}), frozenset({int, type(None)}), frozenset({float})

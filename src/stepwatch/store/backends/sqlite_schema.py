@@ -13,11 +13,16 @@ from ..._validation import nearest_existing
 
 __all__: list[str] = []
 
+
 # 1: runs, keys, points, events. 2: adds the min/max rollups (``_rollup``): only tables are
 # added, so every version reads every file; a run written without rollups (not listed in
 # ``rollup_runs``) is read from its points.
 SCHEMA_VERSION = 2
 BUSY_TIMEOUT_MS = 30_000
+# Opening a store for writing waits this long per try for a lock, and gives up after this many
+# seconds with a clear error (a warning says so after the first try).
+_OPEN_WAIT_MS = 2_000
+_OPEN_GIVE_UP = 120.0
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -124,8 +129,10 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(
         path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
     )
-    conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-    _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"))
+    # Short waits while opening, so that a lock another process holds is reported within
+    # seconds (the long busy timeout is for the writes during training).
+    conn.execute(f"PRAGMA busy_timeout = {_OPEN_WAIT_MS}")
+    _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"), path)
     # NORMAL in WAL mode: a killed process loses nothing committed; only a power cut can
     # lose the last transactions.
     conn.execute("PRAGMA synchronous = NORMAL")
@@ -146,8 +153,9 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
             raise
 
     try:
-        _retry(create)
-        _retry(lambda: check_store(conn, path, thorough=True))
+        _retry(create, path)
+        _retry(lambda: check_store(conn, path, thorough=True), path)
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     except BaseException:
         conn.close()
         raise
@@ -265,13 +273,34 @@ def connect_for_reading(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _retry(fn: Callable[[], Any], attempts: int = 50) -> None:
-    """Run ``fn``, retrying while another process holds the database."""
-    for attempt in range(attempts):
+def _retry(fn: Callable[[], Any], path: Path | None = None) -> None:
+    """Run ``fn``, retrying while another process holds the database: a warning after the
+    first ~2 s of waiting, and a clear error after ``_OPEN_GIVE_UP`` seconds."""
+    start = time.monotonic()
+    warned = False
+    attempt = 0
+    while True:
         try:
             fn()
             return
         except sqlite3.OperationalError as exc:
-            if ("locked" not in str(exc) and "busy" not in str(exc)) or attempt == attempts - 1:
+            if "locked" not in str(exc) and "busy" not in str(exc):
                 raise
-            time.sleep(0.02 * (attempt + 1))
+            waited = time.monotonic() - start
+            if waited >= _OPEN_GIVE_UP:
+                raise sqlite3.OperationalError(
+                    f"the run store {str(path)!r} stayed locked by another process for "
+                    f"{waited:.0f} s; close the program that holds it (a writer in a long "
+                    "transaction, an open sqlite3 shell) and start again"
+                ) from None
+            if not warned and waited >= _OPEN_WAIT_MS / 1000 and path is not None:
+                import logging  # only when waiting: the CLI starts faster without it
+
+                warned = True
+                logging.getLogger("stepwatch").warning(
+                    "stepwatch store: %s is locked by another process; waiting for it (up to %d s)",
+                    path,
+                    _OPEN_GIVE_UP,
+                )
+            attempt += 1
+            time.sleep(min(0.02 * attempt, 0.5))

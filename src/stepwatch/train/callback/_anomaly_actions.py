@@ -3,6 +3,7 @@ statistics in one packed tensor, and the snapshot, reduce_lr and rollback action
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,15 @@ ActionSpec = str | Callable[[Alert, Any], Any]
 
 def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
     if callable(value):
+        try:
+            inspect.signature(value).bind(None, None)
+        except TypeError:
+            raise TypeError(
+                f"'{name}' {value!r} must take two arguments, fn(alert, run_context); it is "
+                "called with both when its alert fires."
+            ) from None
+        except ValueError:  # no signature to read (a builtin): called as given
+            pass
         return (value,)
     if isinstance(value, str):
         if value not in ACTIONS:

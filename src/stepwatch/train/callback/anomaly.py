@@ -18,6 +18,7 @@ import torch
 from ..._validation import check_int, check_number
 from ...distributed import sum_across
 from ...monitor import values as names
+from ...monitor.detector_specs import make_detectors
 from ...monitor.detectors import (
     DETECTORS,
     Alert,
@@ -30,7 +31,6 @@ from ...monitor.detectors import (
     Overfitting,
     Plateau,
     Threshold,
-    make_detectors,
 )
 from ...view.run import RunView, view_of
 from ...view.tap import Chunk

@@ -110,6 +110,11 @@ class PlotMonitor(Callback):
         self.path = Path(path)
         if self.path.is_dir():
             raise ValueError(f"'path' {str(path)!r} is a folder; pass a file such as 'curves.png'.")
+        if self.path.suffix.lower() != ".png":
+            raise ValueError(
+                f"'path' {str(path)!r} must name a PNG file (ending in .png): PlotMonitor "
+                "writes PNG pictures."
+            )
         self.every_n_seconds = check_number("every_n_seconds", every_n_seconds, minimum=0.0)
         self.max_points = check_int("max_points", max_points, minimum=10)
         try:

@@ -97,6 +97,8 @@ class ProgressBar(Callback):
             raise TypeError(
                 f"'file' must be a text stream such as sys.stderr or None, but got {file!r}."
             )
+        if file is not None and getattr(file, "closed", False):
+            raise ValueError(f"'file' {file!r} is closed; pass an open stream such as sys.stderr.")
         self.file = file
         self.refresh_seconds = check_number("refresh_seconds", refresh_seconds, minimum=0.0)
         if not self.refresh_seconds > 0:
