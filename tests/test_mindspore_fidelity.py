@@ -182,3 +182,42 @@ def test_wrong_usages_are_refused_at_construction(tmp_path: Path) -> None:
         AnomalyMonitor(detectors=[])
     with pytest.raises(ValueError, match="must name a PNG file"):
         PlotMonitor(tmp_path / "curves.jpg")
+
+
+def test_silent_mistakes_now_warn_or_refuse(tmp_path: Path) -> None:
+    from stepwatch import AnomalyMonitor, DistributedMonitor, PlotMonitor, ProgressBar
+
+    with pytest.warns(UserWarning, match="2 ProgressBars in one run"):
+        make_model().train(1, make_batches(2), callbacks=[ProgressBar(), ProgressBar()])
+    same = tmp_path / "curves.png"
+    with pytest.raises(ValueError, match="two PlotMonitors write"):
+        make_model().train(1, make_batches(2), callbacks=[PlotMonitor(same), PlotMonitor(same)])
+    with pytest.warns(UserWarning, match="DistributedMonitor is in a run of one process"):
+        make_model().train(1, make_batches(2), callbacks=[DistributedMonitor()])
+    with pytest.warns(UserWarning, match="passed to Model.eval it does nothing"):
+        make_model(metrics={"accuracy"}).eval(make_batches(2), callbacks=[AnomalyMonitor()])
+    never = AnomalyMonitor(detectors={"threshold": {"name": "train_acuracy", "above": 0.9}})
+    with pytest.warns(UserWarning, match="the threshold on 'train_acuracy' never saw its value"):
+        make_model().train(1, make_batches(2), callbacks=[never])
+    no_eval = AnomalyMonitor(detectors={"threshold": {"name": "eval_loss", "above": 9.0}})
+    with pytest.warns(UserWarning, match="in a run that does not validate never fires"):
+        make_model().train(1, make_batches(2), callbacks=[no_eval])
+
+
+def test_resume_errors_name_the_problem(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ck"
+    saver = ModelCheckpoint("net", ckpt, CheckpointConfig(save_checkpoint_steps=2))
+    make_model().train(1, make_batches(2), callbacks=[saver])
+    with pytest.raises(
+        IsADirectoryError, match=r"is a folder; pass a checkpoint file in it such as"
+    ):
+        make_model().train(2, make_batches(2), resume_from=ckpt)
+    other = make_model()
+    other.train_network[0] = torch.nn.Linear(4, 32)  # another architecture
+    other.train_network[2] = torch.nn.Linear(32, 3)
+    with pytest.raises(
+        ValueError, match="holds the weights of another network than this Sequential"
+    ):
+        from stepwatch import load_checkpoint
+
+        load_checkpoint(ckpt / "net-last.pt", other.train_network)

@@ -203,6 +203,15 @@ def _best(stats: dict[str, float], better: str | None) -> str:
 def cmd_show(args: argparse.Namespace) -> int:
     with _open_store(args.db) as store:
         run = _run(store, args.run)
+        if not str(args.run).isdigit():
+            same = [r.id for r in store.runs(name=args.run) if r.name == args.run]
+            if len(same) > 1:
+                others = ", ".join(str(i) for i in same if i != run.id)
+                print(
+                    f"note: {len(same)} runs are named {args.run!r}; showing the newest, "
+                    f"{run.id} (the others: {others}; pass an id to pick one)",
+                    file=sys.stderr,
+                )
         summary = store.summary(run.id)
         loss = store.loss_stats(run.id)
         events = store.events(run.id)

@@ -194,6 +194,10 @@ def remove_stale_temporaries(directory: Path, name_prefix: str) -> None:
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a checkpoint file written by stepwatch, with a clear error for anything else."""
     p = Path(path)
+    if p.is_dir():
+        found = sorted(p.glob("*-last.pt")) or sorted(p.glob("*.pt"))
+        hint = f" such as {str(found[0])!r}" if found else ""
+        raise IsADirectoryError(f"{str(p)!r} is a folder; pass a checkpoint file in it{hint}.")
     if not p.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {str(p)!r}")
     try:

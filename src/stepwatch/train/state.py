@@ -180,7 +180,16 @@ class TrainingState:
         saved_optimizer = state.get("optimizer")
         if optimizer is not None and saved_optimizer is not None:
             check_optimizer_matches(path, saved_optimizer, optimizer)
-        self.network.load_state_dict(state["network"], strict=strict)
+        try:
+            self.network.load_state_dict(state["network"], strict=strict)
+        except RuntimeError as exc:  # torch's wall of missing/unexpected/size-mismatch lines
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            detail = "; ".join(lines[1:4]) if len(lines) > 1 else str(exc)
+            raise ValueError(
+                f"{str(path)!r} holds the weights of another network than this "
+                f"{type(self.network).__name__}: {detail}. Build the network as it was when "
+                "the checkpoint was saved."
+            ) from None
         if optimizer is not None and saved_optimizer is not None:
             optimizer.load_state_dict(saved_optimizer)
         for name in _SCHEDULES:

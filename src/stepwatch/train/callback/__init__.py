@@ -13,7 +13,7 @@ from ._callback import (
     StopKind,
 )
 from ._monitor import MonitorCallback
-from .anomaly import AnomalyMonitor, TerminateOnNaN
+from .anomaly import AnomalyMonitor
 from .backup_and_restore import BackupAndRestore
 from .checkpoint import ModelCheckpoint
 from .checkpoint_config import CheckpointConfig
@@ -27,6 +27,7 @@ from .on_request_exit import OnRequestExit
 from .plot_monitor import PlotMonitor
 from .progress import ProgressBar
 from .reduce_lr_on_plateau import ReduceLROnPlateau
+from .terminate_on_nan import TerminateOnNaN
 from .time_monitor import TimeMonitor
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``AnomalyMonitor``: diagnose training as it runs (NaN, loss spikes, divergence, plateaus,
-exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it finds; and
-``TerminateOnNaN`` for Keras users."""
+exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it finds
+(``TerminateOnNaN``, for Keras users, is in :mod:`.terminate_on_nan`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import bisect
 import functools
 import logging
 import math
+import warnings
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +46,7 @@ from ._anomaly_actions import (
 )
 from ._callback import ORDER_STEER, Callback, RunContext
 
-__all__ = ["AnomalyMonitor", "TerminateOnNaN"]
+__all__ = ["AnomalyMonitor"]
 
 logger = logging.getLogger("stepwatch")
 _D = TypeVar("_D", bound=Detector)
@@ -149,6 +150,10 @@ class AnomalyMonitor(Callback):
         if not 0.0 < self.lr_factor < 1.0:
             raise ValueError(f"'lr_factor' must be a number with 0 < x < 1, but got {lr_factor!r}.")
         self.window = check_int("window", window, minimum=1)
+        self._warned_eval = False
+        self._thresholds_seen: set[str] = set()
+        self._last_values: set[str] = set()
+        self._warned_names: set[str] = set()
         self.alerts: list[Alert] = []
         self.outcomes: list[str] = []  # what the actions did, one entry per alert
         self.rollbacks = 0
@@ -232,6 +237,28 @@ class AnomalyMonitor(Callback):
         if view.rank == 0 and self.snapshot_dir.is_dir():
             remove_stale_temporaries(self.snapshot_dir, "anomaly-")  # a killed snapshot write
         view.tap.subscribe(READ_EVERY, self._take)
+        self._thresholds_seen = set()
+        self._last_values = set()
+        evals = [d.name for d in self._epoch_thresholds if d.name.startswith("eval_")]
+        self._warned_names = set(evals) if not view.validates else set()
+        if evals and not view.validates and self._rank == 0:
+            warnings.warn(
+                f"AnomalyMonitor: a threshold on {', '.join(map(repr, evals))} in a run that "
+                "does not validate never fires; use fit(..., valid_dataset) or watch a "
+                "training value.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def on_eval_begin(self, run_context: RunContext) -> None:
+        if self._view is None and not self._warned_eval:
+            self._warned_eval = True  # Model.eval on its own: nothing trains
+            warnings.warn(
+                "AnomalyMonitor watches training; passed to Model.eval it does nothing. Pass "
+                "it to train/fit.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _take(self, chunk: Chunk) -> None:
         if self._world > 1:
@@ -271,6 +298,7 @@ class AnomalyMonitor(Callback):
             return
         assert self._view is not None
         values = self._view.numbers()
+        self._last_values = set(values)
         step, epoch = p.cur_step_num, p.cur_epoch_num
         found: list[Alert | None] = []
         train, valid = values.get(names.LOSS), values.get(names.EVAL_LOSS)
@@ -278,6 +306,7 @@ class AnomalyMonitor(Callback):
             found.append(self._overfitting.update(step, train, valid, epoch=epoch))
         for detector in self._epoch_thresholds:
             if isinstance(values.get(detector.name), float):
+                self._thresholds_seen.add(detector.name)
                 found.append(detector.update(step, values[detector.name], epoch=epoch))
         for alert in found:
             if alert is not None:
@@ -285,12 +314,24 @@ class AnomalyMonitor(Callback):
 
     def on_train_end(self, run_context: RunContext) -> None:
         self._read_all(run_context)
+        never = sorted(
+            {d.name for d in self._epoch_thresholds} - self._thresholds_seen - self._warned_names
+        )
+        if never and run_context.cb_params.cur_epoch_num > 0 and self._rank == 0:
+            warnings.warn(
+                f"AnomalyMonitor: the threshold on {', '.join(map(repr, never))} never saw its "
+                f"value (this run's epoch values: {', '.join(sorted(self._last_values)) or 'none'}"
+                "); check the name.",
+                UserWarning,
+                stacklevel=2,
+            )
         if self._view is not None:
             self._view.tap.unsubscribe(self._take)
 
     def __exit__(self, *err: Any) -> None:
         if self._view is not None:
             self._view.tap.unsubscribe(self._take)
+            self._view = None
         self._inflight.clear()  # no device tensors kept alive after the run
         self._block = []
 
@@ -472,15 +513,3 @@ class AnomalyMonitor(Callback):
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
     return next((d for d in detectors if isinstance(d, cls) and d.kind == cls.kind), None)
-
-
-class TerminateOnNaN(AnomalyMonitor):
-    """Stop training when the loss becomes NaN or infinite (Keras' ``TerminateOnNaN``).
-
-    The run stops with kind ``'anomaly'`` (ModelCheckpoint does not save NaN weights) a few
-    steps after the first non-finite loss at most: losses are read in batches, so that the
-    check costs no device sync per step.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(detectors=["nonfinite"], action="stop")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -94,6 +95,14 @@ class DistributedMonitor(Callback):
     # -- hooks ----------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
         p = run_context.cb_params
+        if p.device_number < 2:
+            warnings.warn(
+                "DistributedMonitor is in a run of one process: it summarises that process "
+                "only and can raise no straggler or desync alert. Launch with torchrun "
+                "--nproc_per_node=N to compare ranks.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._rank = p.rank_id
         self._active = set()
         self._params = [t for t in p.network.parameters()]

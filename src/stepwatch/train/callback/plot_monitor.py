@@ -177,6 +177,12 @@ class PlotMonitor(Callback):
 
     def on_train_begin(self, run_context: RunContext) -> None:
         p = run_context.cb_params
+        for other in p.get("list_callback") or ():
+            if isinstance(other, PlotMonitor) and other is not self and other.path == self.path:
+                raise ValueError(
+                    f"two PlotMonitors write {str(self.path)!r}: their pictures would overwrite "
+                    "each other. Give each its own path."
+                )
         self._series, self._chunks, self._waiting = {}, [], 0
         self._failed = False
         self._schedule.reset(p.cur_step_num)

@@ -6,6 +6,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import IO, Any
 
 from tqdm import tqdm
@@ -153,6 +154,14 @@ class ProgressBar(Callback):
     # -- training -----------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
+        bars = [cb for cb in cb_params.get("list_callback") or () if isinstance(cb, ProgressBar)]
+        if len(bars) > 1 and bars[0] is self:
+            warnings.warn(
+                f"{len(bars)} ProgressBars in one run: every progress line is printed "
+                f"{len(bars)} times. Pass one.",
+                UserWarning,
+                stacklevel=2,
+            )
         self._stream = self.file if self.file is not None else sys.stdout
         self._epochs = cb_params.initial_epoch + cb_params.epoch_num
         self._batches = int(cb_params.batch_num or 0)
