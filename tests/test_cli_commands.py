@@ -366,3 +366,16 @@ def test_demo_does_not_import_the_cli() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "False"
+
+
+def test_show_by_a_shared_name_says_which_run_it_shows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    db = tmp_path / "runs.db"
+    for _ in range(3):
+        writer = RunWriter(db, name="again")
+        writer.log("loss", 1.0, 1)
+        writer.close()
+    code, out, err = cli(capsys, "show", "again", "--db", str(db))
+    assert code == 0 and out.startswith("run 3: again")
+    assert "note: 3 runs are named 'again'; showing the newest, 3 (the others: 1, 2" in err

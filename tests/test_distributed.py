@@ -302,7 +302,8 @@ def test_distributed_monitor_in_one_process_summarises_without_alerts() -> None:
 
     monitor = DistributedMonitor(every_n_steps=2)
     x, y = make_data(32)
-    make_model().train(1, NumpySlicesDataset((x, y)).batch(8), callbacks=[monitor])
+    with pytest.warns(UserWarning, match="DistributedMonitor is in a run of one process"):
+        make_model().train(1, NumpySlicesDataset((x, y)).batch(8), callbacks=[monitor])
     assert monitor.alerts == []
     assert set(monitor.last) == {
         f"{name}_{stat}"
