@@ -221,3 +221,22 @@ def test_resume_errors_name_the_problem(tmp_path: Path) -> None:
         from stepwatch import load_checkpoint
 
         load_checkpoint(ckpt / "net-last.pt", other.train_network)
+
+
+def test_learning_rate_functions_and_accumulation_are_checked() -> None:
+    from stepwatch import LearningRateScheduler
+
+    with pytest.raises(TypeError, match=r"must take two arguments, fn\(lr, cur_step_num\)"):
+        LearningRateScheduler(lambda lr: lr)
+
+    def forgot_return(lr: float, step: int) -> None:
+        lr * 0.5
+
+    with pytest.raises(TypeError, match=r"returned None at step 1; .* forget a 'return'"):
+        make_model().train(1, make_batches(2), callbacks=[LearningRateScheduler(forgot_return)])
+    with pytest.raises(ValueError, match=r"returned the learning rate -0\.1 at step 1"):
+        make_model().train(
+            1, make_batches(2), callbacks=[LearningRateScheduler(lambda lr, s: -0.1)]
+        )
+    with pytest.warns(UserWarning, match="accumulate_grad_batches=8 is larger than the epoch"):
+        make_model(accumulate_grad_batches=8).train(1, make_batches(3))

@@ -123,3 +123,24 @@ def test_plot_command_overlays_runs(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert _png_size(out)[0] > 500
     assert main(["plot", "7", "--out", str(out), "--db", str(db)]) == 2
     assert "no run '7'" in capsys.readouterr().err
+
+
+def test_plot_command_notes_charts_left_out_and_refuses_bad_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stepwatch import RunWriter
+
+    db = tmp_path / "runs.db"
+    writer = RunWriter(db, name="many")
+    for i in range(12):
+        writer.log(f"metric_{i:02d}", float(i), 1)
+    writer.close()
+    out = tmp_path / "many.png"
+    assert main(["plot", "1", "--out", str(out), "--db", str(db)]) == 0
+    err = capsys.readouterr().err
+    assert "note: drew 9 of 12 charts" in err and "left out: metric_09, metric_10, metric_11" in err
+    assert main(["plot", "1", "--out", str(tmp_path / "x.jpg"), "--db", str(db)]) == 2
+    assert "must name a PNG file" in capsys.readouterr().err
+    missing = tmp_path / "nowhere" / "x.png"
+    assert main(["plot", "1", "--out", str(missing), "--db", str(db)]) == 2
+    assert "does not exist" in capsys.readouterr().err and not missing.parent.exists()

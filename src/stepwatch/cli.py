@@ -321,10 +321,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plotting import curves_from_store, write_png
+    from .plotting import MAX_PANELS, all_panels, curves_from_store, write_png
 
     if args.max_points < 2:
         raise _UsageError("--max-points must be at least 2")
+    out = Path(args.out)
+    if out.suffix.lower() != ".png":
+        raise _UsageError(f"--out {args.out} must name a PNG file (ending in .png)")
+    if not out.parent.is_dir():
+        raise _UsageError(f"--out {args.out}: the folder {out.parent} does not exist")
     with _open_store(args.db) as store:
         runs = [_run(store, ref).id for ref in dict.fromkeys(args.runs)]
         curves = curves_from_store(store, runs, max_points=args.max_points)
@@ -335,6 +340,15 @@ def cmd_plot(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise _UsageError(f"cannot write {args.out}: {exc.strerror or exc}") from None
     print(f"wrote {path} ({', '.join(label for label, _ in curves)})")
+    charts = all_panels(curves)
+    if len(charts) > MAX_PANELS:
+        left = charts[MAX_PANELS:]
+        shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+        print(
+            f"note: drew {MAX_PANELS} of {len(charts)} charts (the loss first, then by name); "
+            f"left out: {shown}. The dashboard (stepwatch serve) shows them all.",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RunCurves",
+    "all_panels",
     "curves_from_store",
     "panel_of",
     "render_png",
@@ -39,9 +40,15 @@ MAX_PANELS = 9
 panel_of = names.panel_of
 
 
-def _panels(runs: Sequence[RunCurves]) -> list[str]:
+def all_panels(runs: Sequence[RunCurves]) -> list[str]:
+    """Every chart ``runs`` would fill, in drawing order (only the first ``MAX_PANELS`` are
+    drawn)."""
     found = {panel_of(key) for _, curves in runs for key in curves if key not in _LEFT_OUT}
-    return sorted(found, key=names.panel_order)[:MAX_PANELS]
+    return sorted(found, key=names.panel_order)
+
+
+def _panels(runs: Sequence[RunCurves]) -> list[str]:
+    return all_panels(runs)[:MAX_PANELS]
 
 
 def _require_matplotlib() -> None:

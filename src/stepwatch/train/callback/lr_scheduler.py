@@ -3,8 +3,10 @@ MindSpore's callback does."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import warnings
 from collections.abc import Callable
 
 from ..._validation import check_callable
@@ -46,12 +48,43 @@ class LearningRateScheduler(Callback):
         self.learning_rate_function = check_callable(
             "learning_rate_function", learning_rate_function, allow_none=False
         )
+        try:
+            inspect.signature(learning_rate_function).bind(0.1, 1)
+        except TypeError:
+            raise TypeError(
+                f"'learning_rate_function' {learning_rate_function!r} must take two arguments, "
+                "fn(lr, cur_step_num), and return the new learning rate."
+            ) from None
+        except ValueError:  # no signature to read (a builtin): called as given
+            pass
+
+    def on_train_begin(self, run_context: RunContext) -> None:
+        if run_context.cb_params.get("lr_scheduler") is not None:
+            warnings.warn(
+                "LearningRateScheduler runs beside the Model's torch lr_scheduler: both set the "
+                "learning rate, and the one that runs last wins. Use one of them.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         cb_params = run_context.cb_params
         groups = cb_params.optimizer.param_groups
         lr = float(groups[0]["lr"])
-        new_lr = float(self.learning_rate_function(lr, cb_params.cur_step_num))
+        found = self.learning_rate_function(lr, cb_params.cur_step_num)
+        try:
+            new_lr = float(found)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"LearningRateScheduler's function returned {found!r} at step "
+                f"{cb_params.cur_step_num}; it must return the new learning rate (a number): "
+                "did it forget a 'return'?"
+            ) from None
+        if not (new_lr >= 0 and math.isfinite(new_lr)):
+            raise ValueError(
+                f"LearningRateScheduler's function returned the learning rate {new_lr} at step "
+                f"{cb_params.cur_step_num}; it must be a finite number >= 0."
+            )
         if math.isclose(lr, new_lr, rel_tol=1e-10):
             return
         if len(groups) == 1 or lr == 0:
