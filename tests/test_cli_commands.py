@@ -379,3 +379,21 @@ def test_show_by_a_shared_name_says_which_run_it_shows(
     code, out, err = cli(capsys, "show", "again", "--db", str(db))
     assert code == 0 and out.startswith("run 3: again")
     assert "note: 3 runs are named 'again'; showing the newest, 3 (the others: 1, 2" in err
+
+
+def test_a_logged_minus_inf_is_not_the_best_loss_and_unicode_names_survive_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stepwatch.store.export import run_label
+
+    db = tmp_path / "runs.db"
+    writer = RunWriter(db, name="训练-lr=0.1")
+    for step, value in enumerate([2.0, 1.5, float("-inf"), 1.0], start=1):
+        writer.log("step_loss", value, step)
+    writer.close()
+    with Store(db) as store:
+        ((run, loss),) = store.runs_summary()
+        assert loss is not None and loss.min == 1.0
+        assert run_label(run) == "1-训练-lr=0.1"
+    code, out, _ = cli(capsys, "runs", "--db", str(db))
+    assert code == 0 and "训练-lr=0.1" in out and "-inf" not in out

@@ -240,3 +240,21 @@ def test_learning_rate_functions_and_accumulation_are_checked() -> None:
         )
     with pytest.warns(UserWarning, match="accumulate_grad_batches=8 is larger than the epoch"):
         make_model(accumulate_grad_batches=8).train(1, make_batches(3))
+
+
+def test_a_one_cycle_schedule_shorter_than_the_run_and_bad_compile_options_are_refused() -> None:
+    from stepwatch import Model
+
+    def with_schedule(total: int) -> Model:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=total)
+        return Model(net, torch.nn.CrossEntropyLoss(), opt, lr_scheduler=sched, device="cpu")
+
+    with pytest.raises(ValueError, match=r"lasts total_steps=10 steps \(10 left\), but this run"):
+        with_schedule(10).train(2, make_batches(8))
+    with_schedule(16).train(2, make_batches(8))  # 16 optimizer steps: exactly the schedule
+    with pytest.raises(ValueError, match=r"unknown torch\.compile option 'bogus'"):
+        make_model(compile={"bogus": 1})
+    with pytest.raises(ValueError, match=r"'compile' .* is refused by torch\.compile"):
+        make_model(compile={"mode": "bogus"})

@@ -1,5 +1,5 @@
-"""What the store knows of a run: ``RunInfo``, its effective status, and the SQL that
-summarises its training loss (``LossStats``) for the runs table."""
+"""What the store knows of a run: ``RunInfo``, its effective status, and its training loss
+summarised (``LossStats``) for the runs table. The SQL that reads them is the backend's."""
 
 from __future__ import annotations
 
@@ -97,41 +97,6 @@ def effective_status(status: str, host: str, pid: int, heartbeat: float) -> str:
 
 def _nan(value: float | None) -> float:
     return math.nan if value is None else float(value)
-
-
-# Columns of a run; ``steps`` is the largest step of any key, found with one index lookup per
-# key rather than a scan of the run's points.
-_RUN_COLUMNS = (
-    "r.id, r.name, r.status, r.started, r.ended, r.host, r.pid, r.config, r.heartbeat, "
-    "r.dropped, (SELECT MAX((SELECT MAX(p.step) FROM points p WHERE p.run = r.id "
-    "AND p.key = k.id)) FROM keys k)"
-)
-
-# Which loss a run is summarised by, per run, in SQL: the legacy epoch mean, else ``loss``,
-# else ``step_loss``. ``loss`` alone (no ``step_loss`` beside it) holds epoch means only if it
-# has at most one point per epoch; otherwise it is a legacy per-step loss.
-_LOSS_SQL = f"""
-WITH ids AS (SELECT
-    (SELECT id FROM keys WHERE name = '{LOSS}') AS loss,
-    (SELECT id FROM keys WHERE name = '{STEP_LOSS}') AS step_loss,
-    (SELECT id FROM keys WHERE name = '{LEGACY_EPOCH_LOSS}') AS legacy),
-r AS (SELECT runs.*, ids.step_loss AS step_loss_key, CASE
-        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.legacy)
-            THEN ids.legacy
-        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.loss) THEN ids.loss
-        ELSE ids.step_loss END AS lk
-    FROM runs, ids WHERE {{where}} ORDER BY runs.id DESC {{limit}})
-SELECT {_RUN_COLUMNS},
-    (SELECT name FROM keys WHERE id = r.lk),
-    (SELECT COUNT(*) FROM points WHERE run = r.id AND key = r.lk),
-    (SELECT COUNT(DISTINCT epoch) FROM points WHERE run = r.id AND key = r.lk),
-    (SELECT MIN(value) FROM points WHERE run = r.id AND key = r.lk),
-    (SELECT value FROM points WHERE run = r.id AND key = r.lk ORDER BY step DESC, rowid DESC
-        LIMIT 1),
-    (SELECT MAX(step) FROM points WHERE run = r.id AND key = r.lk),
-    EXISTS (SELECT 1 FROM points WHERE run = r.id AND key = r.step_loss_key)
-FROM r ORDER BY r.id
-"""
 
 
 def _loss_stats(row: Sequence[Any]) -> LossStats | None:

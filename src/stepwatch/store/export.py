@@ -18,8 +18,9 @@ FORMATS = ("csv", "json", "tensorboard")
 
 
 def run_label(info: RunInfo) -> str:
-    """``<id>-<name>``, safe as a file or folder name (other characters become ``_``)."""
-    return f"{info.id}-" + re.sub(r"[^A-Za-z0-9._=+-]+", "_", info.name).strip("_.")
+    """``<id>-<name>``, safe as a file or folder name: letters and digits of any script stay
+    (``训练`` is kept), path separators and other marks become ``_``."""
+    return f"{info.id}-" + re.sub(r"[^\w.=+-]+", "_", info.name).strip("_.")
 
 
 def _json_safe(value: Any) -> Any:

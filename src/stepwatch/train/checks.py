@@ -258,6 +258,36 @@ RESERVED = frozenset(
 )
 
 
+def check_schedule(step: Any, epochs: int, batch_num: int) -> None:
+    """Refuse (or warn about) a plan the step options cannot follow, before training starts:
+    an accumulation window longer than the epoch, and a per-step LR schedule with a fixed
+    length (``OneCycleLR(total_steps=...)``) shorter than the run's optimizer steps (torch
+    would fail mid-epoch with "Tried to step N times")."""
+    accumulate = step.accumulate
+    if accumulate > batch_num:
+        warnings.warn(
+            f"accumulate_grad_batches={accumulate} is larger than the epoch ({batch_num} "
+            f"batches): the optimizer steps once an epoch, on {batch_num} batches' gradients "
+            f"scaled by 1/{accumulate}. Pass accumulate_grad_batches <= the batches per epoch.",
+            UserWarning,
+            stacklevel=4,
+        )
+    scheduler = step.lr_scheduler
+    total = getattr(scheduler, "total_steps", None)
+    if scheduler is None or step.lr_interval != "step" or not isinstance(total, int):
+        return
+    per_epoch = -(-batch_num // accumulate)  # optimizer steps: a window's end and the epoch's
+    needed = epochs * per_epoch
+    done = int(getattr(scheduler, "last_epoch", 0) or 0)  # steps it has already taken
+    if done + needed > total:
+        raise ValueError(
+            f"the lr_scheduler {type(scheduler).__name__} lasts total_steps={total} steps "
+            f"({total - done} left), but this run takes {needed} optimizer steps ({epochs} "
+            f"epochs x {per_epoch}); build it with total_steps={done + needed} (or "
+            f"epochs={epochs}, steps_per_epoch={per_epoch})."
+        )
+
+
 def resolve_device(device: Any) -> torch.device:
     if device is None:
         if not torch.cuda.is_available():

@@ -20,6 +20,7 @@ from .checks import (
     RESERVED,
     check_first_forward,
     check_optimizer,
+    check_schedule,
     class_hint,
     data_of,
     is_dataset,
@@ -470,16 +471,7 @@ class Model:
                 "optimizer=torch.optim.SGD(network.parameters(), lr=...) or another optimizer."
             )
         batch_num = dataset_size(train_dataset, "train_dataset")
-        accumulate = self._parts.step.accumulate
-        if accumulate > batch_num:
-            warnings.warn(
-                f"accumulate_grad_batches={accumulate} is larger than the epoch ({batch_num} "
-                f"batches): the optimizer steps once an epoch, on {batch_num} batches' "
-                f"gradients scaled by 1/{accumulate}. Pass accumulate_grad_batches <= the "
-                "batches per epoch.",
-                UserWarning,
-                stacklevel=3,
-            )
+        check_schedule(self._parts.step, epoch - initial_epoch, batch_num)
         check_first_batch(train_dataset, "train_dataset", self._loss_fn is not None)
         check_first_forward(
             self._network,

@@ -386,7 +386,7 @@ def build_step_options(
                 "'compile' must be a bool or a dict of torch.compile options, but got "
                 f"{compile!r} with type '{type(compile).__name__}'."
             )
-        forward = torch.compile(network, **options)
+        forward = _compile(network, options)
     return StepOptions(
         precision=resolved,
         scaler=scaler,
@@ -416,3 +416,21 @@ def _check_scheduler(scheduler: Any, optimizer: Any) -> None:
             "'lr_scheduler' is bound to another optimizer than the Model's: build it from the "
             "same optimizer, e.g. StepLR(optimizer, step_size=10)."
         )
+
+
+def _compile(network: Any, options: dict[str, Any]) -> Any:
+    """``torch.compile(network, **options)``, with an unknown option or mode named as the
+    ``compile`` argument's (torch's own errors name neither the argument nor what it takes)."""
+    import inspect
+
+    known = [n for n in inspect.signature(torch.compile).parameters if n != "model"]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise ValueError(
+            f"'compile' has an unknown torch.compile option {unknown[0]!r}; it takes "
+            f"{', '.join(known)}."
+        )
+    try:
+        return torch.compile(network, **options)
+    except RuntimeError as exc:
+        raise ValueError(f"'compile' {options!r} is refused by torch.compile: {exc}") from None

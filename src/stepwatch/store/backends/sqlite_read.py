@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..._validation import check_choice, check_int
+from ...monitor import values
 from .._runs import (
-    _LOSS_SQL,
-    _RUN_COLUMNS,
+    LEGACY_EPOCH_LOSS,
     LossStats,
     RunInfo,
     _loss_stats,
@@ -35,6 +35,41 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["SQLiteStore"]
+
+# Columns of a run; ``steps`` is the largest step of any key, found with one index lookup per
+# key rather than a scan of the run's points.
+_RUN_COLUMNS = (
+    "r.id, r.name, r.status, r.started, r.ended, r.host, r.pid, r.config, r.heartbeat, "
+    "r.dropped, (SELECT MAX((SELECT MAX(p.step) FROM points p WHERE p.run = r.id "
+    "AND p.key = k.id)) FROM keys k)"
+)
+
+# Which loss a run is summarised by, per run, in SQL: the legacy epoch mean, else ``loss``,
+# else ``step_loss``. ``loss`` alone (no ``step_loss`` beside it) holds epoch means only if it
+# has at most one point per epoch; otherwise it is a legacy per-step loss.
+_LOSS_SQL = f"""
+WITH ids AS (SELECT
+    (SELECT id FROM keys WHERE name = '{values.LOSS}') AS loss,
+    (SELECT id FROM keys WHERE name = '{values.STEP_LOSS}') AS step_loss,
+    (SELECT id FROM keys WHERE name = '{LEGACY_EPOCH_LOSS}') AS legacy),
+r AS (SELECT runs.*, ids.step_loss AS step_loss_key, CASE
+        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.legacy)
+            THEN ids.legacy
+        WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.loss) THEN ids.loss
+        ELSE ids.step_loss END AS lk
+    FROM runs, ids WHERE {{where}} ORDER BY runs.id DESC {{limit}})
+SELECT {_RUN_COLUMNS},
+    (SELECT name FROM keys WHERE id = r.lk),
+    (SELECT COUNT(*) FROM points WHERE run = r.id AND key = r.lk),
+    (SELECT COUNT(DISTINCT epoch) FROM points WHERE run = r.id AND key = r.lk),
+    (SELECT MIN(value) FROM points WHERE run = r.id AND key = r.lk AND value > -1e308),  -- no -inf
+    (SELECT value FROM points WHERE run = r.id AND key = r.lk ORDER BY step DESC, rowid DESC
+        LIMIT 1),
+    (SELECT MAX(step) FROM points WHERE run = r.id AND key = r.lk),
+    EXISTS (SELECT 1 FROM points WHERE run = r.id AND key = r.step_loss_key)
+FROM r ORDER BY r.id
+"""
+
 
 _T = TypeVar("_T")
 

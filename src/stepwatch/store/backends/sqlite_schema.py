@@ -86,6 +86,13 @@ def check_writable_db(path: Path, argname: str = "db") -> None:
             f"{str(path / 'stepwatch.db')!r}."
         )
     if path.is_file():
+        folder = path.resolve().parent
+        if not os.access(path, os.W_OK) or not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"'{argname}' {str(path)!r} cannot be written: the file or its folder is "
+                "read-only (a run store also writes its -wal file beside it). Record into a "
+                "store you can write; reading this one works (stepwatch runs --db ...)."
+            )
         try:
             with open(path, "rb") as f:
                 header = f.read(16)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -86,6 +87,11 @@ def check_snapshot_dir(snapshot_dir: Any) -> Path | None:
         raise ValueError(
             f"'snapshot_dir' must be a folder, but {str(existing)!r} is a file; pass a folder "
             "path (it is created when the first snapshot is written)."
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"'snapshot_dir' {str(path)!r} cannot be written ({str(existing)!r} is read-only or "
+            "not yours); pass a folder where snapshots can be written."
         )
     return path
 

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..._validation import check_int, check_number
+from ..._validation import check_int, check_number, nearest_existing
 from ...monitor import values as names
 from ...monitor.schedule import Every
 from ...plotting import RunCurves, render_png, replace_file
@@ -114,6 +114,12 @@ class PlotMonitor(Callback):
             raise ValueError(
                 f"'path' {str(path)!r} must name a PNG file (ending in .png): PlotMonitor "
                 "writes PNG pictures."
+            )
+        folder = nearest_existing(self.path.parent)
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise ValueError(
+                f"'path' {str(path)!r} cannot be written ({str(folder)!r} is read-only, not "
+                "yours, or a file); pass a file in a folder you can write."
             )
         self.every_n_seconds = check_number("every_n_seconds", every_n_seconds, minimum=0.0)
         self.max_points = check_int("max_points", max_points, minimum=10)
