@@ -24,7 +24,11 @@ from stepwatch import (
 )
 from stepwatch.train.step import resolve_precision
 
-from .conftest import make_batches
+from .conftest import make_batches, make_model
+
+# These tests drive the loss-scaling machinery on the CPU, whose mixed precision is bfloat16:
+# the warning that bfloat16 needs no scaling is expected there.
+pytestmark = pytest.mark.filterwarnings("ignore:'loss_scale_manager' with bfloat16")
 
 
 class _Net(nn.Module):
@@ -409,3 +413,9 @@ def test_o3_casts_a_separate_eval_network_too() -> None:
     )
     assert 0.0 <= model.eval(make_batches(2))["accuracy"] <= 1.0
     assert scorer.fc1.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.filterwarnings("default")
+def test_a_loss_scale_manager_with_bfloat16_warns_that_it_is_not_needed() -> None:
+    with pytest.warns(UserWarning, match="'loss_scale_manager' with bfloat16: bfloat16 has"):
+        make_model(amp_level="O2", loss_scale_manager=DynamicLossScaleManager())

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -352,10 +353,23 @@ def build_step_options(
             f"but got {loss_scale_manager!r} with type '{type(loss_scale_manager).__name__}'."
         )
     if loss_scale_manager is not None and resolved.dtype is None:
+        how = (
+            f"amp_level={amp_level!r} resolves to float32 on {device.type}"
+            if amp_level not in (None, "O0")
+            else "amp_level='O0'"
+        )
         raise ValueError(
             "'loss_scale_manager' scales the loss of mixed-precision training, but this Model "
-            "trains in float32 (amp_level='O0'); pass amp_level='O2' (or precision='16-mixed'), "
-            "or drop the loss_scale_manager."
+            f"trains in float32 ({how}); pass amp_level='O2' (or precision='16-mixed'), or "
+            "drop the loss_scale_manager."
+        )
+    if loss_scale_manager is not None and resolved.dtype is torch.bfloat16:
+        warnings.warn(
+            "'loss_scale_manager' with bfloat16: bfloat16 has float32's range and needs no loss "
+            "scaling, so the scaler only costs time here. Drop it, or train in float16 "
+            "(precision='16-mixed', on CUDA) where scaling matters.",
+            UserWarning,
+            stacklevel=3,
         )
     if loss_scale_manager is None and resolved.dynamic_scaling:
         loss_scale_manager = DynamicLossScaleManager()
