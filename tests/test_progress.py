@@ -159,3 +159,25 @@ def test_plain_lines_inside_a_long_epoch_are_time_throttled() -> None:
         1, make_batches(n_batches=50), callbacks=[ProgressBar(file=sink, plain_every_seconds=1e-9)]
     )
     assert 2 <= len(sink.getvalue().splitlines()) <= 50
+
+
+def test_a_long_postfix_leaves_the_bar_room_and_drops_whole_items() -> None:
+    import io
+    import re
+
+    from stepwatch.train.callback.progress import _MIN_BAR, _Bar
+
+    def describe() -> str:
+        return "step 1000/1250, loss=0.1234, eval_loss=0.2345, eval_accuracy=0.9812"
+
+    buf = io.StringIO()
+    bar = _Bar(total=4000, initial=1000, desc="epoch 3/10", unit="step", file=buf, ncols=120,
+               describe=describe)  # fmt: skip
+    bar.update(5)
+    bar.refresh()
+    line = buf.getvalue().split("\r")[-1]
+    bar.close()
+    assert len(line) <= 120
+    cells = re.search(r"\|(.*?)\|", line)
+    assert cells is not None and len(cells.group(1)) >= _MIN_BAR
+    assert line.rstrip("]").endswith(("loss=0.1234", "eval_loss=0.2345", "eval_accuracy=0.9812"))

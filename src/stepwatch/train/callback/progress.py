@@ -35,8 +35,29 @@ class _Bar(tqdm):
     def format_dict(self) -> dict[str, Any]:
         found = super().format_dict
         if self._describe is not None:
-            found["postfix"] = self._describe()
+            found["postfix"] = _fit(self._describe(), found)
         return found
+
+
+_MIN_BAR = 10  # cells the bar keeps, however long the postfix
+
+
+def _fit(postfix: str, meter: dict[str, Any]) -> str:
+    """``postfix`` cut to what the line has room for beside a bar of at least ``_MIN_BAR``
+    cells: whole ``name=value`` items are left out from the end, so the line is never cut
+    mid-number and the bar never shrinks to a sliver."""
+    ncols = meter.get("ncols")
+    if not ncols or not postfix:
+        return postfix
+    fixed = tqdm.format_meter(**{**meter, "ncols": None, "postfix": None,
+                                  "bar_format": "{l_bar}{r_bar}"})  # fmt: skip
+    room = ncols - len(fixed) - _MIN_BAR - 2  # ", " before the postfix
+    kept: list[str] = []
+    for item in postfix.split(", "):
+        if len(", ".join([*kept, item])) > room:
+            break
+        kept.append(item)
+    return ", ".join(kept)
 
 
 def _is_terminal(stream: Any) -> bool:
