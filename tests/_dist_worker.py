@@ -206,6 +206,26 @@ def scenario_anomaly(out: Path, rank: int) -> dict[str, Any]:
     return {"alerts": _alerts(monitor), **ended}
 
 
+def scenario_frozen(out: Path, rank: int) -> dict[str, Any]:
+    """Rank 1 stops itself (SIGSTOP) at step 5; the test resumes it once rank 0 has said so."""
+    import signal
+
+    from stepwatch import Callback, DistributedMonitor, NumpySlicesDataset, RunRecorder
+
+    class Freeze(Callback):
+        def on_train_step_end(self, run_context: Any) -> None:
+            if rank == 1 and run_context.cb_params.cur_step_num == 5:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+    x, y = make_data(64)
+    monitor = DistributedMonitor(every_n_steps=1000, frozen_seconds=1.0)
+    recorder = RunRecorder(db=out / "frozen.db", flush_seconds=0.1)
+    make_model().train(
+        1, NumpySlicesDataset((x, y)).batch(4), callbacks=[Freeze(), monitor, recorder]
+    )
+    return {"alerts": _alerts(monitor)}
+
+
 def main() -> int:
     from stepwatch.distributed import shutdown
 
@@ -213,7 +233,12 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=PG_TIMEOUT)
     try:
-        scenarios = {"main": scenario_main, "raise": scenario_raise, "anomaly": scenario_anomaly}
+        scenarios = {
+            "main": scenario_main,
+            "raise": scenario_raise,
+            "anomaly": scenario_anomaly,
+            "frozen": scenario_frozen,
+        }
         result = scenarios[scenario](out, rank)
         (out / f"rank{rank}.json").write_text(json.dumps(result))
         shutdown()  # every rank leaves together (a barrier, then the teardown)

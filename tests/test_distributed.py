@@ -22,6 +22,7 @@ from stepwatch import NumpySlicesDataset, Store
 from stepwatch.distributed import all_gather_rows, broadcast_int, rank_and_world, sum_across
 
 from ._dist_worker import make_data, make_model
+from .conftest import wait_until
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -338,3 +339,38 @@ def test_all_ranks_must_be_a_bool() -> None:
         LossMonitor(1, all_ranks=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="all_ranks"):
         TimeMonitor(all_ranks="yes")  # type: ignore[arg-type]
+
+
+def test_a_stopped_rank_is_named_before_the_collective_times_out(tmp_path: Path) -> None:
+    import signal
+
+    procs = _launch("frozen", tmp_path)
+    db = tmp_path / "frozen.db"
+
+    def named() -> bool:
+        if not db.exists():
+            return False
+        try:
+            with Store(db) as store:
+                runs = store.runs()
+                return bool(runs) and any(
+                    e["kind"] == "alert" and e["data"]["kind"] == "frozen"
+                    for e in store.events(runs[0].id)
+                )
+        except (OSError, ValueError, KeyError):
+            return False
+
+    try:
+        wait_until(named, timeout=60, interval=0.1)  # rank 0 says so while it waits
+    finally:
+        procs[1].send_signal(signal.SIGCONT)  # let rank 1 go on: both finish the epoch
+    ranks = _finish(procs, timeout=90)
+    for rank, (code, _, err) in enumerate(ranks):
+        assert code == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    alerts = json.loads((tmp_path / "rank0.json").read_text())["alerts"]
+    assert [kind for _, kind, _ in alerts] == ["frozen"]
+    # Named while rank 0 waited for it in step 6's gradient all-reduce.
+    assert alerts[0][2].startswith("step 6: rank 1 has not run for")
+    with Store(db) as store:
+        event = next(e for e in store.events(1) if e["kind"] == "alert")
+        assert event["data"]["source"] == "DistributedMonitor" and "rank 1" in event["message"]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "RankWatch",
     "abort",
     "all_gather_rows",
     "broadcast_int",
@@ -162,3 +163,81 @@ def abort() -> None:
         logger.error("training failed on this rank; the process group was torn down")
     except Exception as exc:  # pragma: no cover - best effort on the way out
         logger.warning("could not tear down the process group: %s", exc)
+
+
+class RankWatch:
+    """A background thread on every rank that tells a rank whose process stopped running
+    (SIGSTOP, a frozen machine, a swap storm) from one that is only slow.
+
+    Each rank publishes a heartbeat (a counter its thread advances every ``period`` seconds)
+    and its last finished step through the process group's own key-value store; a watcher
+    that sees another rank's heartbeat stand still for ``frozen_seconds`` calls ``report``
+    with that rank, its last step and how long it has been silent - while the other ranks
+    still wait in a collective that would only time out much later. Each episode is reported
+    once; a rank that beats again starts a new one. Nothing here touches the training thread
+    but :attr:`step`, set once a step.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        frozen_seconds: float,
+        report: Any,
+        period: float | None = None,
+    ) -> None:
+        import threading
+
+        from torch.distributed import distributed_c10d
+
+        self.rank, self.world = rank, world
+        self.frozen_seconds = frozen_seconds
+        self.period = period if period is not None else max(0.05, frozen_seconds / 8)
+        self.step = 0
+        self._report = report
+        self._store = distributed_c10d._get_default_store()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stepwatch-rank-watch", daemon=True)
+
+    def start(self) -> RankWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _key(self, rank: int) -> str:
+        return f"stepwatch/heartbeat/{rank}"
+
+    def _run(self) -> None:
+        import time
+
+        store, beat = self._store, 0
+        seen: dict[int, tuple[bytes | None, float]] = {}
+        reported: set[int] = set()
+        first = True
+        while first or not self._stop.wait(self.period):
+            first = False  # the first heartbeat goes out at once
+            beat += 1
+            now = time.monotonic()
+            try:
+                store.set(self._key(self.rank), f"{beat} {self.step}")
+                for other in range(self.world):
+                    if other == self.rank:
+                        continue
+                    key = self._key(other)
+                    value = store.get(key) if store.check([key]) else None
+                    last, since = seen.setdefault(other, (None, now))
+                    if value != last:
+                        seen[other] = (value, now)
+                        reported.discard(other)
+                        continue
+                    # A rank that never beat at all is as silent as one that stopped beating.
+                    silent = now - since
+                    if silent >= self.frozen_seconds and other not in reported:
+                        reported.add(other)
+                        step = int(value.split()[1]) if value else 0
+                        self._report(other, step, silent)
+            except Exception:  # the store went away (teardown): nothing left to watch
+                return

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..._validation import check_int, check_number
-from ...distributed import all_gather_rows
+from ...distributed import RankWatch, all_gather_rows
 from ...monitor.detectors import Alert
 from ...view.run import view_of
 from ._callback import Callback, RunContext
@@ -57,6 +57,10 @@ class DistributedMonitor(Callback):
         desync_tolerance: the largest relative checksum difference between replicas (>= 0).
         loss_tolerance: the largest relative loss spread, or None (default) not to compare
             losses (ranks see different batches, so their losses differ by nature).
+        frozen_seconds: raise a ``frozen`` alert naming a rank whose process has not run for
+            this long (SIGSTOP, a frozen machine), seen by a background thread on every rank
+            through the process group's store - long before the collective it blocks would
+            time out; None turns the watch off.
 
     Raises:
         TypeError / ValueError: an argument of the wrong type or out of range, naming it.
@@ -69,6 +73,7 @@ class DistributedMonitor(Callback):
         straggler_seconds: float = 0.01,
         desync_tolerance: float = 1e-6,
         loss_tolerance: float | None = None,
+        frozen_seconds: float | None = 60.0,
     ) -> None:
         self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
         self.straggler_factor = float(check_number("straggler_factor", straggler_factor) or 0.0)
@@ -81,6 +86,15 @@ class DistributedMonitor(Callback):
         self.loss_tolerance = check_number(
             "loss_tolerance", loss_tolerance, minimum=0.0, allow_none=True
         )
+        self.frozen_seconds = check_number(
+            "frozen_seconds", frozen_seconds, minimum=0.0, allow_none=True
+        )
+        if self.frozen_seconds is not None and not self.frozen_seconds > 0:
+            raise ValueError(
+                f"'frozen_seconds' must be a number > 0 or None, but got {frozen_seconds!r}."
+            )
+        self._watch: Any = None
+        self._view: Any = None
         self.alerts: list[Alert] = []
         self._active: set[tuple[str, int]] = set()  # the conditions at the last check
         self.last: dict[str, float] = {}
@@ -105,6 +119,12 @@ class DistributedMonitor(Callback):
             )
         self._rank = p.rank_id
         self._active = set()
+        self._view = view_of(p)
+        self._stop_watch()
+        if self.frozen_seconds is not None and p.device_number > 1:
+            self._watch = RankWatch(
+                p.rank_id, p.device_number, self.frozen_seconds, self._frozen
+            ).start()
         self._params = [t for t in p.network.parameters()]
         self._remove_hook()
         self._hook = p.network.register_forward_hook(self._forward_done)
@@ -127,15 +147,43 @@ class DistributedMonitor(Callback):
         sums[0] += p.step_time
         sums[2] += self._forward_end - self._prev_end
         self._steps += 1
+        if self._watch is not None:
+            self._watch.step = p.cur_step_num
         if p.cur_step_num % self.every_n_steps == 0:
             self._gather(p)
         self._prev_end = time.perf_counter()
 
     def on_train_end(self, run_context: RunContext) -> None:
         self._remove_hook()
+        self._stop_watch()
 
     def __exit__(self, *err: Any) -> None:
         self._remove_hook()
+        self._stop_watch()
+
+    # -- a rank whose process stopped (on the watch thread) --------------------------------------
+    def _frozen(self, rank: int, step: int, silent: float) -> None:
+        view = self._view
+        at = view.step if view is not None else step
+        alert = Alert(
+            at,
+            view.epoch if view is not None else None,
+            "frozen",
+            f"step {at}: rank {rank} has not run for {silent:.0f} s (last heard of at step "
+            f"{step}); the other ranks wait for it in a collective. Its process may be stopped "
+            "(SIGSTOP, a debugger), its machine frozen or swapping: look at that machine.",
+            silent,
+        )
+        self.alerts.append(alert)
+        if view is not None and self._rank == 0:
+            view.alerts.emit(alert, source=type(self).__name__)
+        else:  # rank 0 itself is the one that stopped: another rank says so
+            logger.warning("%s", alert.message)
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
 
     # -- the interval's gather --------------------------------------------------------------
     def _reset_interval(self) -> None:
