@@ -258,3 +258,14 @@ def test_a_one_cycle_schedule_shorter_than_the_run_and_bad_compile_options_are_r
         make_model(compile={"bogus": 1})
     with pytest.raises(ValueError, match=r"'compile' .* is refused by torch\.compile"):
         make_model(compile={"mode": "bogus"})
+
+
+def test_a_torch_schedule_that_sets_a_negative_rate_is_an_error() -> None:
+    from stepwatch import Model
+
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bad = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step)  # negative at step 2
+    model = Model(net, torch.nn.CrossEntropyLoss(), opt, lr_scheduler=bad, device="cpu")
+    with pytest.raises(ValueError, match="set parameter group 0's learning rate to -"):
+        model.train(1, make_batches(4))

@@ -85,9 +85,11 @@ def test_draws_during_training_without_a_display(tmp_path: Path) -> None:
 def test_a_drawing_failure_never_stops_training(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    monitor = PlotMonitor(blocker / "curves.png", every_n_seconds=0)
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    monitor = PlotMonitor(folder / "curves.png", every_n_seconds=0)
+    folder.rmdir()
+    folder.write_text("")  # the folder became a file after the check: every write now fails
     with caplog.at_level(logging.WARNING):
         make_model().train(1, make_batches(n_batches=3), callbacks=[monitor])
     assert monitor.drawn == 0
@@ -144,3 +146,10 @@ def test_plot_command_notes_charts_left_out_and_refuses_bad_outputs(
     missing = tmp_path / "nowhere" / "x.png"
     assert main(["plot", "1", "--out", str(missing), "--db", str(db)]) == 2
     assert "does not exist" in capsys.readouterr().err and not missing.parent.exists()
+
+
+def test_a_path_that_cannot_be_written_is_refused_at_construction(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="cannot be written"):
+        PlotMonitor(blocker / "curves.png")

@@ -132,6 +132,8 @@ def run(parts: Parts, plan: RunPlan) -> None:
             scheduler = parts.step.lr_scheduler
             if scheduler is not None and parts.step.lr_interval == "epoch" and train_results:
                 scheduler.step()  # after the epoch's callbacks, so they saw this epoch's LR
+            if scheduler is not None:
+                _check_rates(scheduler, parts.optimizer, epoch_index + 1)
             epoch_loss = train_results.get("loss")
             # Nobody acted on a diverged loss (a monitor would have raised or stopped the run):
             # say so once. The epoch mean was read anyway, so this costs no sync.
@@ -390,3 +392,18 @@ def _optimizer_step(
     if scheduler is not None and (overflow is None or not bool(overflow)):
         scheduler.step()  # after the optimizer step; a skipped step does not advance it
     return grad_norm
+
+
+def _check_rates(scheduler: Any, optimizer: Any, epoch: int) -> None:
+    """A schedule that set a negative or NaN learning rate is an error, once an epoch (where
+    reading the rates costs nothing): torch's optimizers accept it and train on silently."""
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            continue  # a tensor rate (capturable optimizers): not read, to stay off the device
+        if not (lr >= 0 and math.isfinite(lr)):
+            raise ValueError(
+                f"the lr_scheduler {type(scheduler).__name__} set parameter group {i}'s learning "
+                f"rate to {lr} by the end of epoch {epoch}; a learning rate must be a finite "
+                "number >= 0. Check its settings (a lambda returning a negative factor?)."
+            )
