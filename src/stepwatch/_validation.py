@@ -102,6 +102,21 @@ def check_callable(name: str, value: Any, *, allow_none: bool = True) -> Any:
     return value
 
 
+def check_arity(name: str, fn: Any, shape: str, example: tuple[Any, ...]) -> None:
+    """Raise TypeError now when ``fn`` cannot be called with the arguments ``example`` stands
+    for (``shape`` names them, e.g. ``'fn(alert, run_context)'``), rather than at the first
+    call, deep in training. A callable with no signature to read (a builtin) passes."""
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(*example)
+    except TypeError:
+        count = {1: "one", 2: "two", 3: "three"}.get(len(example), str(len(example)))
+        raise TypeError(f"'{name}' {fn!r} must take {count} arguments, {shape}.") from None
+    except ValueError:
+        pass
+
+
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
     if not isinstance(value, str):
         raise TypeError(f"'{name}' must be one of {choices}, but got {_got(value)}.")

@@ -3,7 +3,6 @@ statistics in one packed tensor, and the snapshot, reduce_lr and rollback action
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..._validation import _got, nearest_existing
+from ..._validation import _got, check_arity, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
 from ..resume import build_checkpoint
 from ..serialization import write_atomic
@@ -31,15 +30,7 @@ ActionSpec = str | Callable[[Alert, Any], Any]
 
 def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
     if callable(value):
-        try:
-            inspect.signature(value).bind(None, None)
-        except TypeError:
-            raise TypeError(
-                f"'{name}' {value!r} must take two arguments, fn(alert, run_context); it is "
-                "called with both when its alert fires."
-            ) from None
-        except ValueError:  # no signature to read (a builtin): called as given
-            pass
+        check_arity(name, value, "fn(alert, run_context)", (None, None))
         return (value,)
     if isinstance(value, str):
         if value not in ACTIONS:

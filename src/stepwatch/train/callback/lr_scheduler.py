@@ -3,13 +3,12 @@ MindSpore's callback does."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import warnings
 from collections.abc import Callable
 
-from ..._validation import check_callable
+from ..._validation import check_arity, check_callable
 from ._callback import ORDER_STEER, Callback, RunContext
 
 __all__ = ["LearningRateScheduler"]
@@ -48,15 +47,9 @@ class LearningRateScheduler(Callback):
         self.learning_rate_function = check_callable(
             "learning_rate_function", learning_rate_function, allow_none=False
         )
-        try:
-            inspect.signature(learning_rate_function).bind(0.1, 1)
-        except TypeError:
-            raise TypeError(
-                f"'learning_rate_function' {learning_rate_function!r} must take two arguments, "
-                "fn(lr, cur_step_num), and return the new learning rate."
-            ) from None
-        except ValueError:  # no signature to read (a builtin): called as given
-            pass
+        check_arity(
+            "learning_rate_function", learning_rate_function, "fn(lr, cur_step_num)", (0.1, 1)
+        )
 
     def on_train_begin(self, run_context: RunContext) -> None:
         if run_context.cb_params.get("lr_scheduler") is not None:
