@@ -136,3 +136,32 @@ def test_a_store_locked_by_another_process_is_reported_within_seconds(
             thread.join(60)
     assert not thread.is_alive() and made and made[0].name == "waits"
     made[0].close()
+
+
+def test_a_lock_taken_mid_run_delays_records_and_drops_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import sqlite3
+
+    from .conftest import wait_until
+
+    db = tmp_path / "runs.db"
+    writer = RunWriter(db, name="mid-run", flush_seconds=0.1)
+    writer.log("loss", 1.0, 1)
+    assert writer.flush()
+    holder = sqlite3.connect(db, isolation_level=None)
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        holder.execute("BEGIN IMMEDIATE")  # another program takes the write lock
+        try:
+            for step in range(2, 202):
+                writer.log("loss", float(step), step)  # training goes on
+            wait_until(lambda: "is locked by another process; " in caplog.text, timeout=20)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        assert writer.flush(timeout=30)
+    writer.close()
+    assert writer.dropped == 0 and writer.written == 201
+    with Store(db) as store:
+        assert store.metrics(writer.run_id, "loss")[0].tolist() == list(range(1, 202))

@@ -27,7 +27,20 @@ if TYPE_CHECKING:
 
     from ._runs import LossStats, RunInfo
 
-__all__ = ["Location", "Store", "WriteBackend", "open_write_backend", "parse_location"]
+__all__ = [
+    "Location",
+    "Store",
+    "StoreBusy",
+    "WriteBackend",
+    "open_write_backend",
+    "parse_location",
+]
+
+
+class StoreBusy(Exception):
+    """Raised by a backend when another process holds the store for now: the writer keeps
+    the records and tries again, instead of dropping them."""
+
 
 # backend kind -> (module, reader class, writer class, location check): imported on first use.
 _BACKENDS: dict[str, tuple[str, str, str, str]] = {
@@ -153,7 +166,8 @@ class WriteBackend:
         self, run: int, flat: list[Any], events: Sequence[tuple[Any, ...]], now: float
     ) -> None:
         """Store the points (``flat``), the events (``(step, epoch, time, kind, level,
-        message, data_json)`` each) and the run's heartbeat, in one transaction."""
+        message, data_json)`` each) and the run's heartbeat, in one transaction. Raises
+        :class:`StoreBusy` when another process holds the store (nothing was written)."""
         raise NotImplementedError
 
     def finish(self, run: int, status: str, ended: float, dropped: int) -> None:

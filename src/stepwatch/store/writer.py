@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
 from ._schema import STATUSES
-from .base import open_write_backend, parse_location
+from .base import StoreBusy, open_write_backend, parse_location
 
 if TYPE_CHECKING:
     import numpy as np
@@ -187,6 +187,8 @@ class RunWriter:
         self._closing = False
         self._wake = threading.Event()
         self._busy = False
+        self._busy_since: float | None = None  # when another process locked the store
+        self._give_up = False
         self._thread = threading.Thread(target=self._run, name="stepwatch-writer", daemon=True)
         self._thread.start()
         _OPEN_WRITERS.add(self)
@@ -308,6 +310,12 @@ class RunWriter:
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # the store stayed locked: what still waits is lost
+            self._give_up = True
+            self._thread.join(5.0)
+            lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in list(self._pending))
+            self._pending.clear()
+            self._report_disk_error(StoreBusy(f"still locked after {timeout:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
         try:
@@ -344,8 +352,10 @@ class RunWriter:
             if closing or woken or now - last >= self.flush_seconds:
                 self._write_pending()
                 last = now
-            if closing and not self._pending:
+            if (closing and not self._pending) or self._give_up:
                 break
+            if self._busy_since is not None and not closing:
+                self._wake.wait(min(1.0, self.flush_seconds))  # not every tick while locked
 
     def _key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
@@ -389,6 +399,22 @@ class RunWriter:
             flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
             self._backend.write(run, flat, event_rows, time.time())
             self.written += count
+            if self._busy_since is not None:
+                logger.info("stepwatch store: %s is free again; the waiting records are written",
+                            self.location)  # fmt: skip
+                self._busy_since = None
+        except StoreBusy:
+            # Another process holds the store: keep everything, in order, and try again. The
+            # full-queue policy bounds what waits; close() gives up after its timeout.
+            pending.extendleft(reversed(items))
+            if self._busy_since is None:
+                self._busy_since = time.monotonic()
+                logger.warning(
+                    "stepwatch store: %s is locked by another process; %d records wait and are "
+                    "written when it is free (training goes on)",
+                    self.location,
+                    len(pending),
+                )
         except Exception as exc:  # a failing disk must not reach training
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in items)
             self._report_disk_error(exc, lost)

@@ -3,13 +3,14 @@ for one run, behind :class:`~stepwatch.store.base.WriteBackend`."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..base import WriteBackend
+from ..base import StoreBusy, WriteBackend
 from . import sqlite_rollup as _rollup
 from .sqlite_schema import connect_for_writing
 
@@ -31,6 +32,9 @@ class SQLiteWriteBackend(WriteBackend):
         self.path = path
         self.location = str(path)
         self._conn = connect_for_writing(path)
+        # A short wait per try during training: a lock another process holds is reported
+        # within seconds, and the writer tries again rather than dropping the batch.
+        self._conn.execute(f"PRAGMA busy_timeout = {_WRITE_WAIT_MS}")
         self._rows_per_insert = _rows_per_insert(self._conn)
         self._key_ids: dict[str, int] = {}
 
@@ -50,16 +54,18 @@ class SQLiteWriteBackend(WriteBackend):
     def key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
         if key_id is None:
-            self._conn.execute("INSERT OR IGNORE INTO keys (name) VALUES (?)", (name,))
-            row = self._conn.execute("SELECT id FROM keys WHERE name = ?", (name,)).fetchone()
-            key_id = self._key_ids[name] = int(row[0])
+            with _busy_as_store_busy():
+                self._conn.execute("INSERT OR IGNORE INTO keys (name) VALUES (?)", (name,))
+                row = self._conn.execute("SELECT id FROM keys WHERE name = ?", (name,))
+                key_id = self._key_ids[name] = int(row.fetchone()[0])
         return key_id
 
     def write(
         self, run: int, flat: list[Any], events: Sequence[tuple[Any, ...]], now: float
     ) -> None:
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        with _busy_as_store_busy():
+            conn.execute("BEGIN IMMEDIATE")  # takes the write lock: nothing written before
         try:
             if flat:
                 self._insert_points(run, flat)
@@ -96,6 +102,19 @@ class SQLiteWriteBackend(WriteBackend):
 
     def close(self) -> None:
         self._conn.close()
+
+
+_WRITE_WAIT_MS = 2_000
+
+
+@contextlib.contextmanager
+def _busy_as_store_busy() -> Iterator[None]:
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            raise StoreBusy(str(exc)) from None
+        raise
 
 
 def _rows_per_insert(conn: sqlite3.Connection) -> int:
