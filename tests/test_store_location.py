@@ -165,3 +165,40 @@ def test_a_lock_taken_mid_run_delays_records_and_drops_none(
     assert writer.dropped == 0 and writer.written == 201
     with Store(db) as store:
         assert store.metrics(writer.run_id, "loss")[0].tolist() == list(range(1, 202))
+
+
+def test_a_store_locked_when_training_starts_lets_training_go_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import sqlite3
+    import threading
+
+    from stepwatch import LambdaCallback
+
+    from .conftest import make_batches, make_model
+
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db, 10)
+    holder = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")  # another program holds the store as training starts
+    steps: list[int] = []
+    released = threading.Event()
+
+    def release_later(rc: object) -> None:
+        if not released.is_set():  # the first step ran although the store is locked
+            released.set()
+            holder.execute("ROLLBACK")
+            holder.close()
+
+    recorder = RunRecorder(db=db, flush_seconds=0.1)
+    seen = LambdaCallback(on_train_step_end=lambda rc: steps.append(rc.cb_params.cur_step_num))
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        make_model().train(2, make_batches(4), callbacks=[seen, recorder, LambdaCallback(
+            on_train_epoch_end=release_later)])  # fmt: skip
+    assert "training goes on and the run is recorded once it is free" in caplog.text
+    assert steps == list(range(1, 9)) and released.is_set()
+    assert recorder.run_id == 2 and recorder.dropped == 0
+    with Store(db) as store:
+        assert store.run(2).status == "finished"
+        assert store.metrics(2, "step_loss")[0].tolist() == list(range(1, 9))

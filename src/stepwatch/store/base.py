@@ -135,10 +135,14 @@ def check_writable(location: str | os.PathLike[str] | None, argname: str = "db")
     return found
 
 
-def open_write_backend(location: str | os.PathLike[str] | None) -> WriteBackend:
-    """The backend that writes runs into the store at ``location``."""
+def open_write_backend(
+    location: str | os.PathLike[str] | None, wait: float | None = None
+) -> WriteBackend:
+    """The backend that writes runs into the store at ``location``. ``wait``: the seconds to
+    wait for a store another process holds (the backend's default when None); then
+    :class:`StoreBusy`."""
     found = parse_location(location)
-    backend: WriteBackend = _load(_backend(found, "db")[2])(found.target)
+    backend: WriteBackend = _load(_backend(found, "db")[2])(found.target, wait)
     return backend
 
 

@@ -131,7 +131,7 @@ class RunRecorder(Callback):
         self.transfer_every = check_int("transfer_every", transfer_every, minimum=1)
         self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
         self.writer: RunWriter | None = None
-        self.run_id: int | None = None
+        self._run_id: int | None = None
         # The chunks of step losses (from the run's loss tap) not handed to the writer yet.
         self._chunks: list[Chunk] = []
         self._waiting = 0  # steps in those chunks
@@ -170,7 +170,7 @@ class RunRecorder(Callback):
         if view.host != "stepwatch":
             config["host"] = view.host
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
-        self.run_id = self.writer.run_id
+        self._run_id = self.writer.run_id
         view.sink = self.writer  # the run's store: alerts and other monitors write here too
         self._view = view
         self._sample.reset(p.cur_step_num)
@@ -342,6 +342,15 @@ class RunRecorder(Callback):
             data={"type": exc_type.__name__},
         )
         writer.close("interrupted" if interrupted else "failed")
+
+    @property
+    def run_id(self) -> int | None:
+        """The run's id in the store (None before training, or while a store another process
+        locked at the start has not let the run be created yet)."""
+        writer = self.writer
+        if writer is not None and writer.run_id is not None:
+            return writer.run_id
+        return self._run_id
 
     @property
     def dropped(self) -> int:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
 from ._schema import STATUSES
-from .base import StoreBusy, open_write_backend, parse_location
+from .base import StoreBusy, WriteBackend, open_write_backend, parse_location
 
 if TYPE_CHECKING:
     import numpy as np
@@ -172,11 +172,21 @@ class RunWriter:
         self.block_seconds = check_number("block_seconds", block_seconds, minimum=0.0) or 0.0
 
         self.location = found.shown
-        self._backend = open_write_backend(db)
-        self.run_id = self._backend.create_run(
-            name or "", config_json, socket.gethostname(), os.getpid(), time.time()
-        )
-        self.name = name or f"run-{self.run_id}"
+        self._db = db
+        self._create = (name or "", config_json, socket.gethostname(), os.getpid(), time.time())
+        self._backend: WriteBackend | None = None
+        self.run_id: int | None = None
+        self.name = name or ""
+        try:
+            self._open(_START_WAIT)
+        except StoreBusy:
+            # Another process holds the store: training goes on; the writer thread creates the
+            # run when the store is free, and the records wait for it in the queue.
+            logger.warning(
+                "stepwatch store: %s is locked by another process; training goes on and the "
+                "run is recorded once it is free",
+                self.location,
+            )
         self.dropped = 0
         self.written = 0
         self._pending: collections.deque[Any] = collections.deque()
@@ -192,6 +202,17 @@ class RunWriter:
         self._thread = threading.Thread(target=self._run, name="stepwatch-writer", daemon=True)
         self._thread.start()
         _OPEN_WRITERS.add(self)
+
+    def _open(self, wait: float) -> None:
+        """Open the backend and create the run; StoreBusy while another process holds it."""
+        backend = open_write_backend(self._db, wait=wait)
+        try:
+            self.run_id = backend.create_run(*self._create)
+        except BaseException:
+            backend.close()
+            raise
+        self._backend = backend
+        self.name = self.name or f"run-{self.run_id}"
 
     # -- training-thread side ---------------------------------------------------------------
     def _room(self) -> bool:
@@ -318,15 +339,24 @@ class RunWriter:
             self._report_disk_error(StoreBusy(f"still locked after {timeout:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
+        backend = self._backend
+        if backend is None or self.run_id is None:  # the store stayed locked from the start
+            logger.warning(
+                "stepwatch store: %s stayed locked by another process; this run was not "
+                "recorded (%d records dropped)",
+                self.location,
+                self.dropped,
+            )
+            return
         try:
-            self._backend.finish(self.run_id, status, time.time(), self.dropped)
+            backend.finish(self.run_id, status, time.time(), self.dropped)
         except Exception as exc:  # a failing disk or server must not reach training
             self._report_disk_error(exc, 0)
         finally:
-            self._backend.close()
+            backend.close()
         if self.dropped:
             logger.warning(
-                "stepwatch store: run %d dropped %d records (%s)",
+                "stepwatch store: run %s dropped %d records (%s)",
                 self.run_id,
                 self.dropped,
                 self._disk_error or "the writer could not keep up",
@@ -349,6 +379,19 @@ class RunWriter:
             self._wake.clear()
             now = time.monotonic()
             closing = self._closing
+            if self._backend is None:
+                try:
+                    self._open(_OPEN_WAIT)  # the store was locked at the start: try again
+                except StoreBusy:
+                    if self._give_up:
+                        break
+                    self._wake.wait(1.0)
+                    continue
+                except Exception as exc:  # the store cannot be opened at all
+                    self._report_disk_error(exc, 0)
+                    break
+                logger.info("stepwatch store: %s is free; run %s is recorded", self.location,
+                            self.run_id)  # fmt: skip
             if closing or woken or now - last >= self.flush_seconds:
                 self._write_pending()
                 last = now
@@ -360,6 +403,7 @@ class RunWriter:
     def _key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
         if key_id is None:
+            assert self._backend is not None  # written only once the store is open
             key_id = self._key_ids[name] = self._backend.key_id(name)
         return key_id
 
@@ -397,6 +441,7 @@ class RunWriter:
                 (e.step, e.epoch, e.time, e.kind, e.level, e.message, _json(e.data)) for e in events
             ]
             flat = list(chain.from_iterable(chain.from_iterable(parts)))  # one list, built in C
+            assert self._backend is not None and run is not None
             self._backend.write(run, flat, event_rows, time.time())
             self.written += count
             if self._busy_since is not None:
@@ -446,6 +491,10 @@ class RunWriter:
 
 
 _NUMBERS = frozenset({float, int, bool})
+# How long the writer waits for a locked store when it is made (then training goes on and the
+# writer thread keeps trying), and per later try.
+_START_WAIT = 3.0
+_OPEN_WAIT = 1.0
 
 
 def _check_step(step: Any) -> None:

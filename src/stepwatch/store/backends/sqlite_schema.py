@@ -130,8 +130,10 @@ def check_writable_db(path: Path, argname: str = "db") -> None:
         raise ValueError(f"'{argname}' {str(path)!r} cannot be created: no permission.")
 
 
-def connect_for_writing(path: Path) -> sqlite3.Connection:
-    """Open (creating if needed) the database in WAL mode, ready for concurrent writers."""
+def connect_for_writing(path: Path, give_up: float | None = None) -> sqlite3.Connection:
+    """Open (creating if needed) the database in WAL mode, ready for concurrent writers.
+    ``give_up``: the seconds to wait for a lock another process holds (default 2 minutes);
+    then a ``sqlite3.OperationalError`` saying it stayed locked."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(
         path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
@@ -139,7 +141,12 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
     # Short waits while opening, so that a lock another process holds is reported within
     # seconds (the long busy timeout is for the writes during training).
     conn.execute(f"PRAGMA busy_timeout = {_OPEN_WAIT_MS}")
-    _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"), path)
+    limit = _OPEN_GIVE_UP if give_up is None else give_up
+    try:
+        _retry(lambda: conn.execute("PRAGMA journal_mode = WAL"), path, limit)
+    except BaseException:
+        conn.close()
+        raise
     # NORMAL in WAL mode: a killed process loses nothing committed; only a power cut can
     # lose the last transactions.
     conn.execute("PRAGMA synchronous = NORMAL")
@@ -160,8 +167,8 @@ def connect_for_writing(path: Path) -> sqlite3.Connection:
             raise
 
     try:
-        _retry(create, path)
-        _retry(lambda: check_store(conn, path, thorough=True), path)
+        _retry(create, path, limit)
+        _retry(lambda: check_store(conn, path, thorough=True), path, limit)
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
     except BaseException:
         conn.close()
@@ -280,9 +287,9 @@ def connect_for_reading(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _retry(fn: Callable[[], Any], path: Path | None = None) -> None:
+def _retry(fn: Callable[[], Any], path: Path | None = None, give_up: float = 120.0) -> None:
     """Run ``fn``, retrying while another process holds the database: a warning after the
-    first ~2 s of waiting, and a clear error after ``_OPEN_GIVE_UP`` seconds."""
+    first ~2 s of waiting, and a clear error after ``give_up`` seconds."""
     start = time.monotonic()
     warned = False
     attempt = 0
@@ -294,7 +301,7 @@ def _retry(fn: Callable[[], Any], path: Path | None = None) -> None:
             if "locked" not in str(exc) and "busy" not in str(exc):
                 raise
             waited = time.monotonic() - start
-            if waited >= _OPEN_GIVE_UP:
+            if waited >= give_up:
                 raise sqlite3.OperationalError(
                     f"the run store {str(path)!r} stayed locked by another process for "
                     f"{waited:.0f} s; close the program that holds it (a writer in a long "

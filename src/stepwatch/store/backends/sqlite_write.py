@@ -28,10 +28,15 @@ class SQLiteWriteBackend(WriteBackend):
         sqlite3.Error: the database cannot be opened or created at all.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, wait: float | None = None) -> None:
         self.path = path
         self.location = str(path)
-        self._conn = connect_for_writing(path)
+        try:
+            self._conn = connect_for_writing(path, give_up=wait)
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreBusy(str(exc)) from None
+            raise
         # A short wait per try during training: a lock another process holds is reported
         # within seconds, and the writer tries again rather than dropping the batch.
         self._conn.execute(f"PRAGMA busy_timeout = {_WRITE_WAIT_MS}")
@@ -39,7 +44,7 @@ class SQLiteWriteBackend(WriteBackend):
         self._key_ids: dict[str, int] = {}
 
     def create_run(self, name: str, config_json: str, host: str, pid: int, now: float) -> int:
-        with self._conn:
+        with _busy_as_store_busy(), self._conn:
             cur = self._conn.execute(
                 "INSERT INTO runs (name, status, started, host, pid, config, heartbeat) "
                 "VALUES (?, 'running', ?, ?, ?, ?, ?)",
