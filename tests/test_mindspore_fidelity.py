@@ -269,3 +269,15 @@ def test_a_torch_schedule_that_sets_a_negative_rate_is_an_error() -> None:
     model = Model(net, torch.nn.CrossEntropyLoss(), opt, lr_scheduler=bad, device="cpu")
     with pytest.raises(ValueError, match="set parameter group 0's learning rate to -"):
         model.train(1, make_batches(4))
+
+
+def test_calling_model_checkpoint_step_end_by_hand_writes_a_file(tmp_path: Path) -> None:
+    net = torch.nn.Linear(2, 2)
+    saver = ModelCheckpoint("ckpt", tmp_path, CheckpointConfig(save_checkpoint_steps=1))
+    rc = _hand_made(train_network=net, cur_epoch_num=1, cur_step_num=1, batch_num=2,
+                    epoch_num=1, net_outputs=torch.tensor(0.5))  # fmt: skip
+    saver.step_end(rc)  # as MindSpore's tests call it: no begin, a cb_params of a few fields
+    assert (tmp_path / "ckpt-1_1.pt").is_file()
+    from stepwatch import load_checkpoint
+
+    load_checkpoint(tmp_path / "ckpt-1_1.pt", torch.nn.Linear(2, 2))

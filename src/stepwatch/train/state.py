@@ -128,12 +128,13 @@ class TrainingState:
         def field(name: str) -> Any:
             return get(name) if get is not None else getattr(owner, name, None)
 
+        callbacks = field("list_callback")
         return cls(
             owner.train_network,
             field("optimizer"),
             field("lr_scheduler"),
             field("loss_scaler"),
-            field("list_callback"),
+            callbacks if hasattr(callbacks, "state_dicts") else None,  # a hand-made cb_params
             field("train_dataset"),
         )
 

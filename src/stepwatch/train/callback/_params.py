@@ -266,6 +266,8 @@ class CallbackParams:
         if name in _DEFAULTS:
             default = _DEFAULTS[name]
             return dict(default) if isinstance(default, dict) else default
+        if name == "network" and "train_network" in self.__dict__:
+            return self.__dict__["train_network"]  # MindSpore's cb_params name it so
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(

@@ -273,7 +273,7 @@ class ModelCheckpoint(MonitorCallback):
         self._schedule.reset(cb_params.cur_step_num)
         if not self._writes:
             return None
-        network = self.config.saved_network or cb_params.network
+        network = self.config.saved_network or cb_params.get("network") or cb_params.train_network
         if not weights_finite(network):
             # A NaN/Inf weight would make this the "newest" file and point -last.pt at it.
             warnings.warn(
