@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.reader",
         "stepwatch.store.export",
         "stepwatch.store.writer",
+        "stepwatch.store._records",
         "stepwatch.plotting",
         "stepwatch.dashboard.server",
         "stepwatch.dashboard.headless",
