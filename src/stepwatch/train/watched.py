@@ -209,10 +209,7 @@ class WatchedRun:
         p.cur_step_num = p.progress.trained_step = step
         p.train_dataset_element = batch
         detached = loss.detach()
-        tap = self.view.tap
-        tap.pending.append(detached)
-        if step % tap.interval == 0:
-            tap.tick()
+        self.view.tap.push(detached)
         p.loss_tensor = detached
         p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
         now = time.perf_counter()

@@ -36,8 +36,7 @@ class Chunk:
         steps: the global steps (a ``range``).
         epoch: the epoch they belong to.
         device: the losses as one 1-D float32 tensor on the training device.
-        host: the same on the CPU, possibly still being copied (see :meth:`is_ready`); None
-            when nobody reads values.
+        host: the same on the CPU, possibly still being copied (until ``ready`` completes).
         ready: the CUDA event recorded after the copy, or None (the copy is done).
         span: ``(start, end)`` wall times of the chunk's steps.
     """
@@ -58,10 +57,6 @@ class Chunk:
 
     def __len__(self) -> int:
         return len(self.steps)
-
-    def is_ready(self) -> bool:
-        """True when the host copy has landed (reading :meth:`values` will not wait)."""
-        return self.ready is None or bool(self.ready.query())
 
     def values(self) -> list[float]:
         """The losses as Python floats (waits for the host copy if it is still on its way)."""
@@ -142,22 +137,12 @@ class LossTap:
         self.interval = min([self.every, *(look for _, look, _, _ in subs)])
         self._dues = [due for _, _, _, due in subs if due is not None]
 
-    @property
-    def read(self) -> bool:
-        """True when somebody subscribed (chunks are copied to the host)."""
-        return bool(self._subscribers)
-
     # -- the host side ----------------------------------------------------------------------------
     def begin_epoch(self, epoch: int, next_step: int) -> None:
         """A new epoch starts; its first step is ``next_step``."""
         self.cut()
         self.epoch, self.next_step, self.total = epoch, next_step, None
         self._unsummed, self._unsummed_steps = [], 0
-
-    def restart(self, next_step: int) -> None:
-        """The next push is step ``next_step`` (after a jump in the step count)."""
-        self.cut()
-        self.next_step = next_step
 
     def push(self, loss: Any) -> None:
         """Add the next step's loss (a detached tensor); cut a chunk when one is due."""
