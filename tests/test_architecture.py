@@ -46,6 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.evaluate",),
     ("stepwatch.train.loop", "stepwatch.train.watched", "stepwatch.store.recorder"),
     ("stepwatch.train.model",),
+    ("stepwatch.integrations._bridge",),
+    ("stepwatch.integrations.*",),
     # The package faces re-export everything; only the top may import them.
     ("stepwatch.demo", "stepwatch.amp", "<faces>"),
     ("stepwatch.cli", "stepwatch._cli_checks", "stepwatch.__main__"),

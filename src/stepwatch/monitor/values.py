@@ -44,6 +44,7 @@ __all__ = [
     "direction",
     "epoch_values",
     "eval_name",
+    "from_host",
     "metric_directions",
     "panel_of",
     "panel_order",
@@ -88,6 +89,26 @@ def eval_name(metric: str) -> str:
     """The epoch value name of a validation result (``'loss'`` and ``'eval_loss'`` give
     ``'eval_loss'``)."""
     return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+_HOST_EVAL = ("val_", "valid_", "validation_", "eval_", "test_")
+_HOST_TRAIN = ("train_",)
+
+
+def from_host(name: str) -> str:
+    """The stepwatch name of a value another trainer logged: ``val_loss``, ``valid_loss``,
+    ``val/loss`` and ``eval_loss`` are ``eval_loss``; ``val_acc`` is ``eval_acc``;
+    ``train_loss`` and ``train/loss`` are ``loss``; ``train_acc`` stays; any other name is
+    taken as a training value (``acc`` -> ``train_acc``; ``loss`` stays)."""
+    flat = name.replace("/", "_").replace(".", "_")
+    for prefix in _HOST_EVAL:
+        if flat.startswith(prefix) and len(flat) > len(prefix):
+            return eval_name(flat[len(prefix) :])
+    for prefix in _HOST_TRAIN:
+        if flat.startswith(prefix) and len(flat) > len(prefix):
+            rest = flat[len(prefix) :]
+            return LOSS if rest == LOSS else train_name(rest)
+    return flat if flat == LOSS else train_name(flat)
 
 
 def _base(name: str) -> str:

@@ -155,7 +155,7 @@ class RunRecorder(Callback):
         view = view_of(p)
         config = {
             "network": type(p.network).__name__,
-            "optimizer": type(p.optimizer).__name__ if p.optimizer is not None else None,
+            "optimizer": _optimizer_name(p.optimizer),
             "lr": p.lr if p.optimizer is not None else None,
             "epochs": p.initial_epoch + p.epoch_num,
             "initial_epoch": p.initial_epoch,
@@ -169,6 +169,8 @@ class RunRecorder(Callback):
         }
         if view.host != "stepwatch":
             config["host"] = view.host
+        if view.config:
+            config["host_config"] = view.config
         self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
         self._run_id = self.writer.run_id
         view.sink = self.writer  # the run's store: alerts and other monitors write here too
@@ -356,6 +358,15 @@ class RunRecorder(Callback):
     def dropped(self) -> int:
         """Records dropped by the writer (full queue or failing disk)."""
         return self.writer.dropped if self.writer is not None else 0
+
+
+def _optimizer_name(optimizer: Any) -> str | None:
+    """The optimizer's class, seen through the wrappers trainers put around it (a bridge's
+    host optimizer, accelerate's ``AcceleratedOptimizer``)."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "optimizer", None)
+    return type(inner if inner is not None else optimizer).__name__
 
 
 def _final_status(run_context: RunContext) -> str:

@@ -59,7 +59,10 @@ class WatchedRun:
         loss_fn: Any = None,
         lr_scheduler: Any = None,
         dataset: Any = None,
+        host: Any = None,
     ) -> None:
+        # ``host``: a bridge's host controls (stepwatch.integrations), None for a user's loop.
+        self._host = host
         self._network = network
         self._optimizer = optimizer
         self._callbacks = callbacks
@@ -110,8 +113,12 @@ class WatchedRun:
     def __enter__(self) -> WatchedRun:
         if self._state != "new":
             raise RuntimeError("this run was already started; call stepwatch.watch(...) again")
-        rank, world = rank_and_world()
-        network = self._network if self._network is not None else nn.Module()
+        host = self._host
+        rank, world = (host.rank, host.world) if host is not None else rank_and_world()
+        # A bridge's host may train something that is not a torch module (a MindSpore Cell):
+        # cb_params still shows it, as the host's own callbacks would see it.
+        foreign = self._network is not None and not isinstance(self._network, nn.Module)
+        network = self._network if isinstance(self._network, nn.Module) else nn.Module()
         parts = Parts(
             network=network,
             loss_fn=self._loss_fn,
@@ -122,6 +129,8 @@ class WatchedRun:
         )
         cb_list = CallbackList(self._callbacks, rank)
         p = new_cb_params(parts, cb_list, rank, world)
+        if foreign:
+            p.network = p.train_network = p.eval_network = self._network
         p.mode = "train"
         p.epoch_num = self._epochs
         p.initial_epoch = 0
@@ -133,8 +142,14 @@ class WatchedRun:
         p.lr_scheduler = self._lr_scheduler
         p.train_results = {}
         p.run_view = self.view = RunView(
-            p, host="loop", rank=rank, world=world, grads=self._network is not None
+            p,
+            host=host.name if host is not None else "loop",
+            rank=rank,
+            world=world,
+            grads=host.grads if host is not None else self._network is not None,
         )
+        if host is not None:
+            self.view.controls, self.view.config = host, host.config
         self.cb_params, self._cb_list = p, cb_list
         self.run_context = RunContext(p)
         self._stack.enter_context(cb_list.entered())

@@ -43,6 +43,11 @@ class RunView:
             as after ``restored_step``; the steps after it up to ``at_step`` were undone.
         state: the training state (:class:`~stepwatch.train.state.TrainingState`) that
             rollbacks and snapshots capture and restore, or None when the host gives none.
+        controls: what another trainer lets actions do (a bridge's host controls: ``name``,
+            ``restores`` - rollback may restore weights and optimizer mid-run - and
+            ``save(stem)``, which writes a checkpoint that trainer loads), or None for
+            stepwatch's own loops.
+        config: the host trainer's own settings, stored with the run (a bridge fills it).
     """
 
     def __init__(
@@ -64,6 +69,8 @@ class RunView:
         self.grads = grads
         self.fed = fed
         self.state = state
+        self.controls: Any = None
+        self.config: dict[str, Any] = {}
         self.tap = LossTap()
         self.alerts = AlertPath(self)
         self.sink: Any = None

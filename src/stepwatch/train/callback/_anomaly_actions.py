@@ -4,6 +4,7 @@ statistics in one packed tensor, and the snapshot, reduce_lr and rollback action
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,8 @@ __all__ = [
 
 ACTIONS = ("warn", "stop", "snapshot", "reduce_lr", "rollback")
 ActionSpec = str | Callable[[Alert, Any], Any]
+
+logger = logging.getLogger("stepwatch")
 
 
 def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
@@ -148,6 +151,21 @@ class StateKeeper:
         return at
 
 
+def host_restores(view: Any) -> bool:
+    """Whether the trainer lets a rollback restore its weights and optimizer in place
+    (stepwatch's own loops do; a bridge's host says)."""
+    return view.controls is None or bool(view.controls.restores)
+
+
+def note_no_gradients(view: Any, detectors: Sequence[Any]) -> None:
+    """Say once, on rank 0, that a host without gradients turns the gradient detectors off."""
+    if view.rank == 0:
+        kinds = "/".join(d.kind for d in detectors if d is not None)
+        logger.info(
+            "AnomalyMonitor: %s gives no gradients, so the %s detectors are off", view.host, kinds
+        )
+
+
 def reduce_lr(cb_params: Any, factor: float) -> list[float]:
     """Multiply every parameter group's learning rate (and a scheduler's base rates, which
     it would otherwise restore) by ``factor``; return the new rates."""
@@ -162,14 +180,41 @@ def reduce_lr(cb_params: Any, factor: float) -> list[float]:
     return [group["lr"] for group in optimizer.param_groups]
 
 
+def reduce_lr_outcome(cb_params: Any, factor: float) -> str:
+    """The ``'reduce_lr'`` action: what :func:`reduce_lr` did, in words."""
+    try:
+        rates = reduce_lr(cb_params, factor)
+    except ValueError as exc:  # a host whose rate is a schedule it owns
+        return f"learning rate not reduced: {exc}"
+    return f"learning rate reduced to {rates[0]:g}" if rates else "no optimizer"
+
+
+def snapshot_outcome(
+    folder: Path, alert: Alert, cb_params: Any, window: Mapping[str, Sequence[Any]]
+) -> str:
+    """The ``'snapshot'`` action: :func:`write_snapshot`, and what it did in words."""
+    try:
+        path = write_snapshot(folder, alert, cb_params, window)
+    except OSError as exc:
+        return f"snapshot failed: {exc}"
+    return f"snapshot written to {path}"
+
+
 def write_snapshot(
     folder: Path, alert: Alert, cb_params: Any, window: Mapping[str, Sequence[Any]]
 ) -> Path:
-    """Write a checkpoint of the run as it is now (resumable, through the checkpoint code)
-    and, beside it, the alert and the recent metric window as JSON; return the checkpoint."""
+    """Write a checkpoint of the run as it is now (resumable, through the checkpoint code;
+    under a bridge, the host trainer's own checkpoint) and, beside it, the alert and the
+    recent metric window as JSON; return the checkpoint."""
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"anomaly-{alert.kind}-step{alert.step}"
-    path = write_atomic(build_checkpoint(cb_params, epoch_complete=False), folder / f"{stem}.pt")
+    view = cb_params.__dict__.get("run_view")
+    controls = view.controls if view is not None else None
+    if controls is not None and controls.save is not None:
+        path = controls.save(folder / stem)
+    else:
+        checkpoint = build_checkpoint(cb_params, epoch_complete=False)
+        path = write_atomic(checkpoint, folder / f"{stem}.pt")
 
     def clean(value: Any) -> Any:
         return value if not isinstance(value, float) or math.isfinite(value) else str(value)

@@ -41,8 +41,10 @@ from ._anomaly_actions import (
     StateKeeper,
     check_actions,
     check_snapshot_dir,
-    reduce_lr,
-    write_snapshot,
+    host_restores,
+    note_no_gradients,
+    reduce_lr_outcome,
+    snapshot_outcome,
 )
 from ._callback import ORDER_STEER, Callback, RunContext
 
@@ -227,6 +229,10 @@ class AnomalyMonitor(Callback):
             for detector in (self._vanishing, self._dying):
                 if detector is not None:
                     detector.names = self._stats.names
+        elif self._measures_grads:
+            note_no_gradients(view, [self._explosion, self._vanishing, self._dying])
+        if not host_restores(view):
+            self._keeper = None  # the host cannot be rolled back: 'rollback' stops instead
         optimizer = p.get("optimizer")
         if self._plateau is not None and optimizer is not None:
             self._groups = optimizer.param_groups
@@ -463,17 +469,12 @@ class AnomalyMonitor(Callback):
         if action == "stop":
             return self._stop(alert, run_context)
         if action == "reduce_lr":
-            rates = reduce_lr(p, self.lr_factor)
-            return f"learning rate reduced to {rates[0]:g}" if rates else "no optimizer"
+            return reduce_lr_outcome(p, self.lr_factor)
         if action == "snapshot":
             if self._rank != 0:
                 return "snapshot written by rank 0"
             window = {k: list(v) for k, v in self._history.items()}
-            try:
-                path = write_snapshot(self.snapshot_dir, alert, p, window)
-            except OSError as exc:
-                return f"snapshot failed: {exc}"
-            return f"snapshot written to {path}"
+            return snapshot_outcome(self.snapshot_dir, alert, p, window)
         return self._rollback(alert, run_context)
 
     def _stop(self, alert: Alert, run_context: RunContext) -> str:
@@ -489,7 +490,9 @@ class AnomalyMonitor(Callback):
                 f"rollback limit ({self.max_rollbacks}) reached, {self._stop(alert, run_context)}"
             )
         p = run_context.original_args()
-        assert self._keeper is not None
+        if self._keeper is None:
+            stopping, host = self._stop(alert, run_context), view_of(p).host
+            return f"{host} cannot restore weights and optimizer mid-run, {stopping}"
         at = self._keeper.restore_before(alert.step, p)
         if at is None:
             stopping = self._stop(alert, run_context)

@@ -1,0 +1,177 @@
+"""stepwatch's callbacks inside real MindSpore 2.10 ``Model.train`` / ``Model.fit`` (CPU)."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import mindspore as ms
+import mindspore.dataset as ds
+import numpy as np
+import pytest
+from mindspore import nn
+
+from stepwatch import AnomalyMonitor, Callback, LossMonitor, ProgressBar, RunRecorder, Store
+from stepwatch.integrations.mindspore import StepwatchCallback
+from stepwatch.monitor import values
+
+from .bridge_support import api_runs_and_events
+
+STEPS = 8  # batches per epoch
+
+
+class HostLosses(ms.train.Callback):
+    """A plain MindSpore callback: the loss MindSpore computed at each step, as it holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        self.losses.append(float(run_context.original_args().net_outputs.asnumpy()))
+
+
+class SeedStyle(Callback):
+    """A user's MindSpore-style stepwatch callback, reading cb_params as the seed's code does."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, float]] = []
+
+    def step_end(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        self.seen.append((p.cur_epoch_num, p.cur_step_num, float(p.net_outputs.asnumpy())))
+
+
+def _data(nan_row: int | None = None, seed: int = 0) -> Any:
+    rs = np.random.RandomState(seed)
+    x = rs.randn(STEPS * 8, 4).astype(np.float32)
+    y = (x @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype=np.float32)).astype(np.float32)
+    if nan_row is not None:
+        x[nan_row] = np.nan
+    return ds.NumpySlicesDataset({"x": x, "y": y}, shuffle=False).batch(8)
+
+
+def _model(lr: float = 0.05) -> tuple[Any, Any]:
+    ms.set_seed(0)
+    net = nn.Dense(4, 1)
+    optimizer = nn.SGD(net.trainable_params(), learning_rate=lr)
+    return ms.train.Model(net, nn.MSELoss(), optimizer, metrics={"mae"}), optimizer
+
+
+def test_a_mindspore_fit_is_recorded_printed_and_seen_by_a_user_callback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    db = tmp_path / "runs.db"
+    recorder, user, host = RunRecorder(db=db), SeedStyle(), HostLosses()
+    bridge = StepwatchCallback([recorder, AnomalyMonitor(), LossMonitor(4), user])
+    model, _ = _model()
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        model.fit(3, _data(), _data(seed=1), callbacks=[host, bridge])
+    assert bridge.run is None  # the run ended with on_train_end
+    assert len(host.losses) == 3 * STEPS
+    assert (
+        "AnomalyMonitor: mindspore gives no gradients, so the grad_explosion/grad_vanishing/"
+        "dying_relu detectors are off" in caplog.text
+    )
+    printed = capsys.readouterr().out
+    assert f"epoch: 1 step: 4, loss is {host.losses[3]}\n" in printed  # MindSpore's line
+    assert "epoch: 3 step: 8, loss is" in printed
+    # The user's callback saw MindSpore's step and epoch numbers and losses.
+    assert [(e, s) for e, s, _ in user.seen] == [
+        (1 + (s - 1) // STEPS, s) for s in range(1, 3 * STEPS + 1)
+    ]
+    np.testing.assert_allclose([v for *_, v in user.seen], host.losses, rtol=1e-6)
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "finished"
+        assert info.config["host"] == "mindspore"
+        assert info.config["optimizer"] == "SGD" and info.config["lr"] == pytest.approx(0.05)
+        assert info.config["host_config"]["train_network"] == "TrainOneStepCell"
+        steps, losses = store.metrics(info.id, values.STEP_LOSS)
+        assert steps.tolist() == list(range(1, 3 * STEPS + 1))
+        np.testing.assert_allclose(losses, host.losses, rtol=1e-6)  # MindSpore's own losses
+        epoch_steps, epoch_loss = store.metrics(info.id, values.LOSS)
+        assert epoch_steps.tolist() == [8, 16, 24]
+        np.testing.assert_allclose(epoch_loss[0], np.mean(host.losses[:STEPS]), rtol=1e-5)
+        # fit's validation results, under stepwatch's names
+        assert len(store.metrics(info.id, values.EVAL_LOSS)[0]) == 3
+        assert len(store.metrics(info.id, "eval_mae")[0]) == 3
+        assert store.metrics(info.id, values.LR)[1][-1] == pytest.approx(0.05)
+
+
+def test_a_nan_stops_mindspore_within_ten_steps_and_shows_on_the_dashboard(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "runs.db"
+    recorder, host, monitor = RunRecorder(db=db), HostLosses(), AnomalyMonitor(action="stop")
+    model, _ = _model()
+    # Row 20 is in the third batch: step 3 is the first NaN step.
+    model.train(3, _data(nan_row=20), callbacks=[host, StepwatchCallback([recorder, monitor])])
+    assert math.isnan(host.losses[2]) and not math.isnan(host.losses[1])
+    assert len(host.losses) <= 3 + 10  # MindSpore left its loop within ten steps
+    assert [a.kind for a in monitor.alerts] == ["nonfinite"]
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "anomaly"
+        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
+        assert [(e["step"], e["data"]["actions"]) for e in alerts] == [(3, ["stopping training"])]
+    entry, events = api_runs_and_events(db, recorder.run_id)
+    assert entry["status"] == "anomaly" and entry["config"]["host"] == "mindspore"
+    assert any(e["kind"] == "alert" and e["step"] == 3 for e in events)
+
+
+def test_actions_reach_mindspores_optimizer_and_checkpoints(tmp_path: Path) -> None:
+    model, optimizer = _model(lr=0.05)
+    snapshots = tmp_path / "snaps"
+    monitor = AnomalyMonitor(action=["reduce_lr", "snapshot"], snapshot_dir=snapshots)
+    model.train(1, _data(nan_row=20), callbacks=[StepwatchCallback([monitor])])
+    assert float(optimizer.learning_rate.asnumpy()) == pytest.approx(0.025)
+    assert monitor.outcomes[0].startswith("learning rate reduced to 0.025; snapshot written")
+    (ckpt,) = snapshots.glob("anomaly-nonfinite-step3.ckpt")
+    saved = ms.load_checkpoint(str(ckpt))  # a checkpoint MindSpore reads
+    assert {"weight", "bias"} <= {name.rsplit(".", 1)[-1] for name in saved}
+    assert (snapshots / "anomaly-nonfinite-step3.json").is_file()
+
+    # A MindSpore network cannot be rolled back in place: the rollback stops the run.
+    model, _ = _model()
+    rollback = AnomalyMonitor(action={"nonfinite": "rollback"})
+    host = HostLosses()
+    model.train(2, _data(nan_row=20), callbacks=[host, StepwatchCallback([rollback])])
+    assert len(host.losses) < 2 * STEPS
+    assert rollback.outcomes == [
+        "mindspore cannot restore weights and optimizer mid-run, stopping training"
+    ]
+
+
+class Boom(Callback):
+    def step_end(self, run_context: Any) -> None:
+        if run_context.original_args().cur_step_num == 5:
+            raise RuntimeError("boom at step 5")
+
+
+def test_an_error_inside_mindspore_training_marks_the_run_failed(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    model, _ = _model()
+    with pytest.raises(RuntimeError, match="boom at step 5"):
+        model.train(1, _data(), callbacks=[StepwatchCallback([recorder, Boom()])])
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert info.status == "failed"
+        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == [1, 2, 3, 4, 5]
+        errors = [e for e in store.events(info.id) if e["kind"] == "error"]
+        assert "boom at step 5" in errors[0]["message"]
+
+
+def test_progress_bar_draws_and_wrong_use_gets_clear_errors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    model, _ = _model()
+    model.train(1, _data(), callbacks=[StepwatchCallback(ProgressBar())])
+    assert f"epoch 1/1 step {STEPS}/{STEPS}, loss" in capsys.readouterr().out
+    with pytest.raises(TypeError, match="callbacks"):
+        StepwatchCallback(callbacks=42)
+    with pytest.raises(TypeError, match=r"RunRecorder\(\)"):
+        StepwatchCallback([RunRecorder])
