@@ -1,0 +1,404 @@
+"""What a bridge costs inside its host trainer: Lightning, the Hugging Face Trainer, Keras.
+
+Workload: the tiny MLP of ``bench/overhead.py`` (Linear(32, 64) - ReLU - Linear(64, 10)),
+SGD(lr=0.01), cross-entropy, ``--steps`` batches of 32 on the CPU with one thread. The step is
+so cheap that whatever a callback adds per step shows in full.
+
+Per host, each round runs one epoch of every variant, each paired with an epoch of the host
+alone (the pair's order alternates from round to round):
+
+* ``alone'`` - the host alone again: paired with the host alone, its ratio is the noise floor;
+* ``stepwatch`` - the host with ``StepwatchCallback([RunRecorder(every_n_steps=1),
+  AnomalyMonitor()])``, recording every step's loss into a temporary SQLite run store;
+* the host's own logger, recording every step where it can: Lightning's ``CSVLogger`` and
+  ``TensorBoardLogger`` (``log_every_n_steps=1``), the Trainer's ``report_to="tensorboard"``
+  (``logging_steps=1``), Keras's ``CSVLogger`` (it writes once per epoch) and its default
+  progress bar (``verbose=1``, per step).
+
+Every epoch is timed from the host's own epoch hooks by a callback that does nothing else (the
+same in every variant), so trainer set-up is left out; standard output goes to ``os.devnull``.
+Round 0 is a warm-up. The table gives, per variant, the median of ``t_alone / t_variant``
+(with min..max) and the median extra time per step, also as a share of the host's own step.
+
+Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
+host's own logger.
+
+Usage::
+
+    python bench/bridges.py                 # 9 rounds of 400 steps per host
+    python bench/bridges.py --quick         # 2 rounds of 100 steps: a smoke check
+    python bench/bridges.py --hosts keras --rounds 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is first imported
+
+import torch
+from torch import nn
+
+from stepwatch import AnomalyMonitor, RunRecorder
+
+BATCH_SIZE = 32
+IN_FEATURES, HIDDEN, CLASSES = 32, 64, 10
+LR = 0.01
+SEED = 0
+GOAL = 0.03  # the bridge's extra time, as a share of the host's own step
+
+EpochRunner = Callable[[], float]  # runs one epoch, returns its seconds
+
+
+@dataclass
+class Data:
+    x: torch.Tensor
+    y: torch.Tensor
+
+    @property
+    def steps(self) -> int:
+        return len(self.x) // BATCH_SIZE
+
+
+def make_data(steps: int) -> Data:
+    generator = torch.Generator().manual_seed(SEED)
+    n = steps * BATCH_SIZE
+    return Data(
+        torch.randn(n, IN_FEATURES, generator=generator),
+        torch.randint(0, CLASSES, (n,), generator=generator),
+    )
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+
+
+def stepwatch_callbacks(folder: str) -> list[Any]:
+    """The bridge's load: every step's loss recorded, the detectors at their defaults."""
+    db = os.path.join(folder, f"runs-{time.perf_counter_ns()}.db")
+    return [RunRecorder(db=db, every_n_steps=1), AnomalyMonitor()]
+
+
+# -- Lightning --------------------------------------------------------------------------------
+def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from stepwatch.integrations.lightning import StepwatchCallback
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module=r"lightning(\.|$)")
+    warnings.filterwarnings("ignore", module=r"torch\.utils\.tensorboard")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_mlp()
+            self.loss_fn = nn.CrossEntropyLoss()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = self.loss_fn(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class Timer(pl.Callback):
+        seconds = 0.0
+
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            self.seconds = time.perf_counter() - self.start
+
+    module = Module()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data.x, data.y), batch_size=BATCH_SIZE
+    )
+
+    def runner(callbacks: Callable[[], list[Any]], logger: Callable[[], Any]) -> EpochRunner:
+        def run() -> float:
+            timer = Timer()
+            trainer = pl.Trainer(
+                max_epochs=1,
+                accelerator="cpu",
+                devices=1,
+                enable_progress_bar=False,
+                enable_checkpointing=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                logger=logger(),
+                log_every_n_steps=1,
+                callbacks=[timer, *callbacks()],
+                default_root_dir=folder,
+            )
+            trainer.fit(module, train_dataloaders=loader)
+            return timer.seconds
+
+        return run
+
+    return {
+        "alone": runner(list, lambda: False),
+        "alone'": runner(list, lambda: False),
+        "stepwatch": runner(
+            lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False
+        ),
+        "CSVLogger": runner(list, lambda: CSVLogger(folder)),
+        "TensorBoardLogger": runner(list, lambda: TensorBoardLogger(folder)),
+    }
+
+
+# -- the Hugging Face Trainer -----------------------------------------------------------------
+def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+    import transformers
+    from stepwatch.integrations.transformers import StepwatchCallback
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", module=r"torch\.utils\.tensorboard")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_mlp()
+            self.loss_fn = nn.CrossEntropyLoss()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.net(x)
+            return {"loss": self.loss_fn(logits, labels), "logits": logits}
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return len(data.x)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": data.x[i], "labels": data.y[i]}
+
+    class Timer(TrainerCallback):
+        seconds = 0.0
+
+        def on_epoch_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.seconds = time.perf_counter() - self.start
+
+    net, rows = Net(), Rows()
+
+    def runner(callbacks: Callable[[], list[Any]], report_to: list[str]) -> EpochRunner:
+        def run() -> float:
+            timer = Timer()
+            args = TrainingArguments(
+                output_dir=folder,
+                per_device_train_batch_size=BATCH_SIZE,
+                num_train_epochs=1,
+                learning_rate=LR,
+                optim="sgd",
+                lr_scheduler_type="constant",
+                use_cpu=True,
+                save_strategy="no",
+                logging_strategy="steps" if report_to else "no",
+                logging_steps=1,
+                report_to=report_to,
+                logging_dir=os.path.join(folder, "tb"),
+                disable_tqdm=True,
+                dataloader_num_workers=0,
+                remove_unused_columns=False,
+                seed=SEED,
+            )
+            trainer = Trainer(
+                model=net, args=args, train_dataset=rows, callbacks=[timer, *callbacks()]
+            )
+            trainer.train()
+            return timer.seconds
+
+        return run
+
+    return {
+        "alone": runner(list, []),
+        "alone'": runner(list, []),
+        "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))], []),
+        "tensorboard": runner(list, ["tensorboard"]),
+    }
+
+
+# -- Keras ------------------------------------------------------------------------------------
+def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+    import keras
+    from stepwatch.integrations.keras import StepwatchCallback
+
+    keras.utils.set_random_seed(SEED)
+    model = keras.Sequential(
+        [
+            keras.Input((IN_FEATURES,)),
+            keras.layers.Dense(HIDDEN, activation="relu"),
+            keras.layers.Dense(CLASSES),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(LR),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+
+    class Timer(keras.callbacks.Callback):
+        seconds = 0.0
+
+        def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            self.seconds = time.perf_counter() - self.start
+
+    x, y = data.x.numpy(), data.y.numpy()
+
+    def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
+        def run() -> float:
+            timer = Timer()
+            model.fit(
+                x,
+                y,
+                batch_size=BATCH_SIZE,
+                epochs=1,
+                shuffle=False,
+                verbose=verbose,
+                callbacks=[timer, *callbacks()],
+            )
+            return timer.seconds
+
+        return run
+
+    csv = os.path.join(folder, "keras.csv")
+    return {
+        "alone": runner(list),
+        "alone'": runner(list),
+        "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))]),
+        "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
+        "progress bar": runner(list, verbose=1),
+    }
+
+
+HOSTS: dict[str, Callable[[Data, str], dict[str, EpochRunner]]] = {
+    "lightning": lightning_variants,
+    "transformers": transformers_variants,
+    "keras": keras_variants,
+}
+
+
+# -- measurement ------------------------------------------------------------------------------
+@dataclass
+class Pairs:
+    host: str
+    variant: str
+    seconds: list[float] = field(default_factory=list)
+    alone: list[float] = field(default_factory=list)
+
+
+def quiet(run: EpochRunner) -> float:
+    with (
+        open(os.devnull, "w") as devnull,
+        contextlib.redirect_stdout(devnull),
+        contextlib.redirect_stderr(devnull),
+    ):
+        return run()
+
+
+def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
+    with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as folder:
+        variants = HOSTS[host](data, folder)
+        alone = variants.pop("alone")
+        pairs = [Pairs(host, name) for name in variants]
+        for index in range(rounds + 1):  # round 0: warm-up
+            for p in pairs:
+                gc.collect()
+                if index % 2:
+                    t, t_alone = quiet(variants[p.variant]), quiet(alone)
+                else:
+                    t_alone, t = quiet(alone), quiet(variants[p.variant])
+                if index:
+                    p.seconds.append(t)
+                    p.alone.append(t_alone)
+            label = "warm-up" if index == 0 else f"round {index}/{rounds}"
+            print(f"  {host}: {label} done", file=sys.stderr, flush=True)
+    return pairs
+
+
+def report(results: list[Pairs], steps: int) -> None:
+    header = (
+        f"{'host':<13} {'variant':<18} {'host us/step':>12} {'ratio to alone (min..max)':>27} "
+        f"{'extra us/step':>14} {'extra %':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    verdicts = []
+    by_host: dict[str, dict[str, float]] = {}
+    for p in results:
+        ratios = [a / t for t, a in zip(p.seconds, p.alone)]
+        extra = [(t - a) / steps * 1e6 for t, a in zip(p.seconds, p.alone)]
+        step_us = statistics.median(p.alone) / steps * 1e6
+        share = statistics.median(extra) / step_us
+        by_host.setdefault(p.host, {})[p.variant] = share
+        ratio = statistics.median(ratios)
+        spread = f"{ratio:.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+        print(
+            f"{p.host:<13} {p.variant:<18} {step_us:>12.0f} {spread:>27} "
+            f"{statistics.median(extra):>14.1f} {share * 100:>7.1f}%"
+        )
+    print()
+    for host, shares in by_host.items():
+        bridge, noise = shares["stepwatch"], shares["alone'"]
+        loggers = {k: v for k, v in shares.items() if k not in ("stepwatch", "alone'")}
+        cheaper = [k for k, v in loggers.items() if bridge < v]
+        verdicts.append(
+            f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
+            f"{'met' if bridge <= GOAL else 'NOT met'}); noise floor "
+            f"{noise * 100:+.1f}%; cheaper than "
+            f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
+        )
+    print("\n".join(verdicts))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=9, help="measured rounds (default 9)")
+    parser.add_argument("--steps", type=int, default=400, help="steps per epoch (default 400)")
+    parser.add_argument("--hosts", default=",".join(HOSTS), help="comma-separated hosts")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 100 steps")
+    args = parser.parse_args(argv)
+    rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    unknown = [h for h in hosts if h not in HOSTS]
+    if unknown:
+        parser.error(f"--hosts: unknown {', '.join(unknown)}; choose from {', '.join(HOSTS)}")
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    logging.getLogger("stepwatch").setLevel(logging.ERROR)
+    data = make_data(steps)
+    results: list[Pairs] = []
+    for host in hosts:
+        results += measure(host, data, rounds)
+    print(
+        f"\n{steps} steps of {BATCH_SIZE} per epoch, {rounds} rounds (+1 warm-up), torch "
+        f"{torch.__version__}, 1 thread\n"
+    )
+    report(results, steps)
+
+
+if __name__ == "__main__":
+    main()
