@@ -16,6 +16,17 @@ def test_direction_from_the_metric_then_the_name() -> None:
     assert direction("train_mse/0") == "min"
 
 
+def test_grouped_names_and_error_rates_are_minimised() -> None:
+    # Names another trainer or DistributedMonitor groups with '/', read by their words.
+    for name in ("train/loss", "val/loss", "dist/loss_mean", "dist/step_time_max", "eval/wer"):
+        assert direction(name) == "min", name
+    for name in ("wer", "eval_cer", "test_ter"):
+        assert direction(name) == "min", name
+    assert direction("val/accuracy") == "max" and direction("eval_power") == "max"
+    assert direction("samples_per_second") == "max"
+    assert direction("train/lr") is None
+
+
 def test_metric_directions_read_what_metrics_declare() -> None:
     from stepwatch.train import metrics
 

@@ -29,6 +29,7 @@ and other settings have no direction, everything else is maximised.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -75,6 +76,8 @@ _SMALLER_IS_BETTER = (
     "latency",
     "skipped",
 )
+# Error rates named by their initials (word, character, translation error rate): whole words.
+_ERROR_RATES = frozenset({"wer", "cer", "ter"})
 # Names that are settings or counters, not results: no "better" direction.
 _NO_DIRECTION = frozenset({"lr", "loss_scale", "epoch", "step", "grad_norm"})
 _PREFIXES = ("train_", "eval_")
@@ -126,7 +129,10 @@ def direction(name: str, declared: Mapping[str, Any] | None = None) -> Direction
         declared: metric name → direction as the metrics declare it (see
             :func:`metric_directions`); it wins over the name rule.
     """
-    name = name.split("/", 1)[0]  # a per-class key (eval_precision/3) has its metric's
+    head, _, tail = name.rpartition("/")
+    if head and tail.isdigit():
+        name = head  # a per-class key (eval_precision/3) has its metric's direction
+    name = name.replace("/", "_")  # a host's grouped name: train/loss, dist/step_time_max
     base = _base(name)
     if declared:
         for key in (name, base):
@@ -137,6 +143,8 @@ def direction(name: str, declared: Mapping[str, Any] | None = None) -> Direction
     if lowered in _NO_DIRECTION:
         return None
     if any(word in lowered for word in _SMALLER_IS_BETTER):
+        return "min"
+    if _ERROR_RATES.intersection(re.split(r"[_.\-]", lowered)):
         return "min"
     return "max"
 
