@@ -174,3 +174,74 @@ def test_gradient_detectors_see_a_dead_relu_layer() -> None:
     assert dying and 20 <= dying[0].step <= 40
     assert "(0.weight)" in dying[0].message or "(2.weight)" in dying[0].message
     assert not [a for a in monitor.alerts if a.kind == "grad_vanishing"]  # zeros are not tiny
+
+
+def test_a_loss_that_reaches_exactly_zero_raises_no_spike_on_its_tiny_remainders() -> None:
+    # A separable task: most batch losses become exactly 0, the rest 1e-8..1e-6.
+    torch.manual_seed(0)
+    x = torch.randn(256, 4)
+    y = (x[:, 0] > 0).long()
+    x[:, 0] += torch.where(y == 1, 6.0, -6.0)
+    data = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 256, 8)]
+    net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    losses: list[float] = []
+    keep = sw.LambdaCallback(
+        on_train_step_end=lambda rc: losses.append(float(rc.original_args().net_outputs))
+    )
+    monitor = AnomalyMonitor()
+    opt = torch.optim.Adam(net.parameters(), lr=0.05)
+    sw.Model(net, torch.nn.CrossEntropyLoss(), opt).train(20, data, callbacks=[monitor, keep])
+    assert sum(v == 0.0 for v in losses) > len(losses) / 2 and max(losses[-100:]) > 0.0
+    assert [a for a in monitor.alerts if a.kind == "spike"] == []
+
+
+class EveryStep(sw.monitor.detectors.Detector):
+    kind = "every_step"
+
+    def update(self, step: int, value: float, epoch: Any = None) -> Any:
+        return self._alert(step, epoch, f"saw {value:.3g}", value)
+
+
+def test_alerts_kept_in_memory_are_the_newest_max_alerts(tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="'max_alerts' must be an int >= 1"):
+        AnomalyMonitor(max_alerts=0)
+    monitor = AnomalyMonitor(detectors=[EveryStep()], max_alerts=5)
+    db = tmp_path / "runs.db"
+    make_model().train(2, BATCHES, callbacks=[monitor, sw.RunRecorder(db=db)])
+    assert [a.step for a in monitor.alerts] == [60, 61, 62, 63, 64]
+    assert monitor.outcomes == [""] * 5
+    with Store(db) as store:
+        events = store.events(store.runs()[-1].id)
+    assert sum(e["kind"] == "alert" for e in events) == 64  # the store has every one
+
+
+def test_rollback_goes_to_an_older_copy_when_the_same_alert_returns() -> None:
+    # The weights are blown up at the end of step 60, after which the copy of step 60 is
+    # taken: the spike shows at step 61, and the first rollback, to the copy of step 60,
+    # brings it back. The second must go to an older copy, and training goes on from there.
+    class BlowUpAtEnd(sw.Callback):
+        def on_train_step_end(self, run_context: Any) -> None:
+            p = run_context.original_args()
+            if p.cur_step_num == 60:
+                with torch.no_grad():
+                    p.train_network[2].weight.mul_(300)
+
+    monitor = AnomalyMonitor(action={"spike": "rollback"}, rollback_every=10)
+    stops = Stops()
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[BlowUpAtEnd(), monitor, stops])
+    spikes = [(a.step, o) for a, o in zip(monitor.alerts, monitor.outcomes) if a.kind == "spike"]
+    assert [s for s, _ in spikes] == [61, 65]
+    assert spikes[0][1].startswith("rolled back to step 60 (1 of 3)")
+    came_back = "(2 of 3; the spike came back after the rollback to 60)"
+    assert spikes[1][1].startswith(f"rolled back to step 50 {came_back}")
+    assert monitor.rollbacks == 2 and stops.kind is None and stops.step == 128
+    assert max(a.step for a in monitor.alerts) < 70  # healthy from the older copy on
+
+
+def test_rollback_never_returns_to_a_copy_taken_at_or_after_the_onset() -> None:
+    monitor = AnomalyMonitor(action={"spike": "rollback"}, rollback_every=10)
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[At(70, blow_up), monitor])
+    first = next(o for a, o in zip(monitor.alerts, monitor.outcomes) if a.kind == "spike")
+    step = next(a.step for a in monitor.alerts if a.kind == "spike")
+    at = int(first.split("rolled back to step ")[1].split()[0])
+    assert at < step

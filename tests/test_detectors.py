@@ -523,3 +523,14 @@ def test_windows_stay_bounded_after_100k_updates() -> None:
     assert len(divergence._values) == 100
     for detector in (NonFinite(), GradVanishing(), DyingReLU()):
         assert not any(isinstance(v, (list, dict, deque)) for v in vars(detector).values())
+
+
+def test_spike_needs_a_jump_on_the_runs_scale_not_only_a_ratio_to_a_zero_median() -> None:
+    with pytest.raises(ValueError, match="'min_jump' must be >= 0"):
+        Spike(min_jump=-1)
+    rng = np.random.default_rng(0)
+    start = 2.0 * np.exp(-np.arange(300) / 40.0)  # learns, then most losses are exactly 0
+    tail = np.where(rng.random(5000) < 0.3, rng.choice([1.5e-8, 3e-8, 5e-7], 5000), 0.0)
+    assert feed(Spike(), np.concatenate([start, tail])) == []
+    alerts = feed(Spike(), np.concatenate([start, tail, [0.5]]))  # a real jump still fires
+    assert [a.step for a in alerts] == [5301]

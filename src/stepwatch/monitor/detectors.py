@@ -74,8 +74,11 @@ class Spike(Detector):
     The limit is the larger of ``median + max(z * 1.4826 * MAD, (min_ratio - 1) * |median|)``
     of the last ``window`` values, and ``peak_ratio`` x the recent peak ratio (the largest
     value / median seen after warm-up and not alerted on, decaying by half every
-    ``peak_halflife`` values) x the median. The robust z-score shrugs off Gaussian noise, the
-    relative floor keeps flat, low-noise losses from alarming on tiny wiggles, and the peak
+    ``peak_halflife`` values) x the median; the jump over the median must also be over
+    ``min_jump`` x the run's scale (the highest median seen). The robust z-score shrugs off
+    Gaussian noise, the relative floor keeps flat, low-noise losses from alarming on tiny
+    wiggles, the scale floor keeps a loss that reached 0 (a separable task) from alarming on
+    each 1e-8 it still shows, and the peak
     guard keeps heavy-tailed losses (small batches, outliers in the targets), whose rare large
     values are part of the stream, from alarming on each. Silent
     until ``warmup`` values are in. The episode clears on the first value back under the limit.
@@ -89,6 +92,8 @@ class Spike(Detector):
         name: what the values are, for the message.
         peak_ratio: x the recent peak ratio that counts (default 3; None for no peak guard).
         peak_halflife: values over which the peak halves (default 1000).
+        min_jump: the smallest jump that counts, as a fraction of the highest median seen
+            (default 0.01).
     """
 
     kind = "spike"
@@ -97,7 +102,7 @@ class Spike(Detector):
     def __init__(
         self, window: int = 100, z: float = 20.0, min_ratio: float = 1.5,
         warmup: int | None = None, name: str = "loss", peak_ratio: float | None = 3.0,
-        peak_halflife: int = 1000,
+        peak_halflife: int = 1000, min_jump: float = 0.01,
     ) -> None:  # fmt: skip
         super().__init__()
         self.window = check_int("window", window, minimum=3)
@@ -111,12 +116,14 @@ class Spike(Detector):
         self.peak_ratio = check_number("peak_ratio", peak_ratio, minimum=1.0, allow_none=True)
         halflife = check_int("peak_halflife", peak_halflife, minimum=1)
         self._decay = 0.5 ** (1.0 / halflife)
+        self.min_jump = check_number("min_jump", min_jump, minimum=0.0)
         self.reset()
 
     def reset(self) -> None:
         super().reset()
         self._level: deque[float] = deque(maxlen=self.window)
         self._median = self._mad = math.nan
+        self._floor = 1e-12  # min_jump x the highest |median| seen
         self._since = 0
         self._peak = 0.0  # the recent peak of value / median
 
@@ -124,7 +131,7 @@ class Spike(Detector):
         if len(self._level) < self.warmup:
             return math.inf
         spread = max(self.z * 1.4826 * self._mad, (self.min_ratio - 1) * abs(self._median))
-        limit = self._median + spread + 1e-12
+        limit = self._median + max(spread, self._floor)
         if self.peak_ratio is not None and self._median > 0:
             limit = max(limit, self.peak_ratio * self._peak * self._median)
         return limit
@@ -165,11 +172,17 @@ class Spike(Detector):
             self._refresh()
         return []
 
+    def restart_level(self) -> None:
+        """A rollback undid the steps behind the episode: end it, so the restored state is
+        judged afresh (the same anomaly coming back fires again)."""
+        self._active = False
+
     def _refresh(self) -> None:
         # sorted() on ~100 floats is several times faster than numpy's median at this size
         self._since = 0
         median = self._median = _median(sorted(self._level))
         self._mad = _median(sorted([abs(v - median) for v in self._level]))
+        self._floor = max(self._floor, self.min_jump * abs(median))
 
 
 class GradExplosion(Spike):
@@ -286,9 +299,10 @@ class Divergence(Detector):
 
     def restart_level(self) -> None:
         """Forget the current level (after a rollback undid the steps it came from); the best
-        level and its window are kept."""
+        level and its window are kept. The episode ends: the restored state is judged afresh."""
         self._recent.clear()
         self._over = 0
+        self._active = False
 
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):

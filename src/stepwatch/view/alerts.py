@@ -5,6 +5,7 @@ user's own detector)."""
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ class AlertPath:
 
     def __init__(self, view: Any) -> None:
         self._view = view
-        self.raised: list[Raised] = []
+        self.raised: deque[Raised] = deque(maxlen=1000)  # the newest; the store has them all
 
     def emit(
         self, alert: Alert, actions: Sequence[Act] = (), *, source: str = "", act: bool = True

@@ -126,28 +126,47 @@ class GradStats:
 
 
 class StateKeeper:
-    """Copies of the training state taken every ``every`` steps, for rollback: the newest two,
-    so that one taken before an anomaly's onset is at hand when the anomaly is read a few
-    steps later."""
+    """Copies of the training state taken every ``every`` steps, for rollback: the newest
+    ``keep``, so that one taken before an anomaly's onset is at hand when the anomaly is read a
+    few steps later, and an older one when the first rollback's copy turns out to hold it.
 
-    def __init__(self, every: int) -> None:
+    A rollback goes to the newest copy taken before the alert's step. When an alert of the
+    same kind comes back while the copy its last rollback went to is still kept, that copy
+    and every one taken after it (they descend from it) are dropped: the next rollback goes
+    to an older copy."""
+
+    def __init__(self, every: int, keep: int = 4) -> None:
         self.every = every
+        self.keep = max(2, keep)
         self.states: list[tuple[int, dict[str, Any]]] = []
+        self._targets: dict[str, int] = {}  # kind -> the copy its last rollback went to
 
     def maybe_keep(self, step: int, cb_params: Any) -> None:
         if step % self.every:
             return
         state = TrainingState.of(cb_params).capture(rng=False, callbacks=False, copy=True)
-        self.states = [*self.states[-1:], (step, state)]
+        self.states = [*self.states[1 - self.keep :], (step, state)]
 
-    def restore_before(self, step: int, cb_params: Any) -> int | None:
-        """Restore the newest state taken before ``step``; return its step (None if none).
-        States taken at or after ``step`` are dropped: they may hold the anomaly."""
-        self.states = [(s, state) for s, state in self.states if s < step]
+    def tried(self, kind: str) -> int | None:
+        """The step of the copy the last rollback for ``kind`` went to, if that copy is still
+        kept (the same kind coming back now means the copy holds the anomaly), else None."""
+        at = self._targets.get(kind)
+        return at if at is not None and any(s == at for s, _ in self.states) else None
+
+    def restore_before(self, step: int, cb_params: Any, kind: str = "") -> int | None:
+        """Restore the newest state taken before ``step`` (and, when ``kind`` came back after
+        a rollback, before that rollback's copy); return its step (None if none). States
+        taken at or after ``step`` are dropped: they may hold the anomaly."""
+        limit = step
+        tried = self.tried(kind)
+        if tried is not None:
+            limit = min(limit, tried)
+        self.states = [(s, state) for s, state in self.states if s < limit]
         if not self.states:
             return None
         at, state = self.states[-1]
         TrainingState.of(cb_params).restore(state)
+        self._targets[kind] = at
         return at
 
 

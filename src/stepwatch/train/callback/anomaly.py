@@ -5,12 +5,10 @@ exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it f
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import math
 import warnings
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +22,6 @@ from ...monitor.detectors import (
     DETECTORS,
     Alert,
     Detector,
-    Divergence,
     DyingReLU,
     GradExplosion,
     GradVanishing,
@@ -36,6 +33,7 @@ from ...monitor.detectors import (
 from ...view.run import RunView, view_of
 from ...view.tap import Chunk
 from ..serialization import remove_stale_temporaries
+from ._anomaly_acting import Acting
 from ._anomaly_actions import (
     GradStats,
     StateKeeper,
@@ -43,8 +41,6 @@ from ._anomaly_actions import (
     check_snapshot_dir,
     host_restores,
     note_no_gradients,
-    reduce_lr_outcome,
-    snapshot_outcome,
 )
 from ._callback import ORDER_STEER, Callback, RunContext
 
@@ -56,13 +52,10 @@ _D = TypeVar("_D", bound=Detector)
 # Step losses move to the host in one transfer per this many sampled steps (and at each epoch's
 # end): an alert is read at most this many steps after its step.
 READ_EVERY = 8
-# Kinds whose "stop" marks the run as gone wrong (saving callbacks keep the weights out);
-# a plateau or overfitting stops a healthy model that is done.
-_DONE_KINDS = frozenset({"plateau", "overfitting", "threshold"})
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
 
 
-class AnomalyMonitor(Callback):
+class AnomalyMonitor(Acting, Callback):
     """Watch the loss and the gradients for signs of trouble, tell the user what was seen and
     what to try, and act on it.
 
@@ -93,9 +86,11 @@ class AnomalyMonitor(Callback):
     - ``'reduce_lr'``: multiply every learning rate by ``lr_factor``.
     - ``'rollback'``: restore the network, optimizer, LR schedule and loss scale to the newest
       copy taken before the anomaly's step (copies are kept in memory every
-      ``rollback_every`` steps, the newest two), and go on with the next batches: the batches
-      between the copy and the alert are skipped. At most ``max_rollbacks`` per run; after
-      that, or with no copy from before the anomaly, the action stops the run.
+      ``rollback_every`` steps, the newest ``min(max_rollbacks, 3) + 1``), and go on with the
+      next batches: the batches between the copy and the alert are skipped. When the same
+      kind of alert comes back, the copy was already bad: the next rollback goes to an older
+      one. At most ``max_rollbacks`` per run; after that, or with no copy left to try, the
+      action stops the run.
     - a callable ``fn(alert, run_context)``.
 
     Args:
@@ -118,6 +113,8 @@ class AnomalyMonitor(Callback):
             50; kept only when some kind's action is ``'rollback'``).
         lr_factor: the factor of ``'reduce_lr'`` (default 0.5).
         window: steps of losses and measurements kept for snapshots (default 200).
+        max_alerts: alerts (and outcomes) kept in :attr:`alerts` / :attr:`outcomes`, the
+            newest (default 1000; the run store keeps every one).
 
     Raises:
         ValueError: an unknown detector kind or action name, a negative or zero window or
@@ -139,6 +136,7 @@ class AnomalyMonitor(Callback):
         rollback_every: int = 50,
         lr_factor: float = 0.5,
         window: int = 200,
+        max_alerts: int = 1000,
     ) -> None:
         self.detectors: list[Detector] = make_detectors(detectors)
         own = [d.kind for d in self.detectors if d.kind not in DETECTORS]
@@ -152,6 +150,7 @@ class AnomalyMonitor(Callback):
         if not 0.0 < self.lr_factor < 1.0:
             raise ValueError(f"'lr_factor' must be a number with 0 < x < 1, but got {lr_factor!r}.")
         self.window = check_int("window", window, minimum=1)
+        self.max_alerts = check_int("max_alerts", max_alerts, minimum=1)
         self._warned_eval = False
         self._thresholds_seen: set[str] = set()
         self._last_values: set[str] = set()
@@ -211,7 +210,8 @@ class AnomalyMonitor(Callback):
         self._block: list[Chunk] = []
         self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
-        self._keeper = StateKeeper(self.rollback_every) if self._keeps_state else None
+        keep = min(self.max_rollbacks, 3) + 1
+        self._keeper = StateKeeper(self.rollback_every, keep) if self._keeps_state else None
         self._scaled = False
         self._rank, self._world = 0, 1
         self._history: dict[str, deque[Any]] = {
@@ -443,75 +443,6 @@ class AnomalyMonitor(Callback):
             if self._dying is not None:
                 found.append(self._dying.update(step, dead, epoch=epoch))
         return [a for a in found if a is not None]
-
-    # -- acting -----------------------------------------------------------------------------
-    def _raise(self, alert: Alert, run_context: RunContext, act: bool = True) -> None:
-        assert self._view is not None
-        actions = self._kind_actions.get(alert.kind, self._default_actions)
-        raised = self._view.alerts.emit(
-            alert,
-            [functools.partial(self._act, action, run_context=run_context) for action in actions],
-            source=type(self).__name__,
-            act=act,
-        )
-        self.alerts.append(alert)
-        self.outcomes.append(raised.outcome)
-
-    def _act(
-        self, action: str | Callable[..., Any], alert: Alert, *, run_context: RunContext
-    ) -> str:
-        p = run_context.original_args()
-        if callable(action):
-            action(alert, run_context)
-            return f"called {getattr(action, '__name__', type(action).__name__)}"
-        if action == "warn":
-            return ""
-        if action == "stop":
-            return self._stop(alert, run_context)
-        if action == "reduce_lr":
-            return reduce_lr_outcome(p, self.lr_factor)
-        if action == "snapshot":
-            if self._rank != 0:
-                return "snapshot written by rank 0"
-            window = {k: list(v) for k, v in self._history.items()}
-            return snapshot_outcome(self.snapshot_dir, alert, p, window)
-        return self._rollback(alert, run_context)
-
-    def _stop(self, alert: Alert, run_context: RunContext) -> str:
-        if alert.kind in _DONE_KINDS:
-            run_context.request_stop(f"{alert.kind} at step {alert.step}")
-        else:
-            run_context.request_stop(f"{alert.kind} at step {alert.step}", kind="anomaly")
-        return "stopping training"
-
-    def _rollback(self, alert: Alert, run_context: RunContext) -> str:
-        if self.rollbacks >= self.max_rollbacks:
-            return (
-                f"rollback limit ({self.max_rollbacks}) reached, {self._stop(alert, run_context)}"
-            )
-        p = run_context.original_args()
-        if self._keeper is None:
-            stopping, host = self._stop(alert, run_context), view_of(p).host
-            return f"{host} cannot restore weights and optimizer mid-run, {stopping}"
-        at = self._keeper.restore_before(alert.step, p)
-        if at is None:
-            stopping = self._stop(alert, run_context)
-            return f"no state from before step {alert.step} to roll back to, {stopping}"
-        self.rollbacks += 1
-        # What is still waiting to be read came from the undone steps.
-        self._undone = p.cur_step_num
-        self._inflight.clear()
-        self._block = []
-        for detector in self._step_detectors:
-            if isinstance(detector, Divergence):
-                detector.restart_level()
-        now = p.cur_step_num
-        assert self._view is not None
-        self._view.rollbacks.append((at, now))
-        return (
-            f"rolled back to step {at} ({self.rollbacks} of {self.max_rollbacks}); "
-            f"the batches of steps {at + 1}-{now} are skipped"
-        )
 
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
