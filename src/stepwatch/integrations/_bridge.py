@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,8 @@ class Host:
             file's path (the ``'snapshot'`` action), or None for stepwatch's own checkpoint.
         config: the host's settings, stored with the run (JSON-clean: :func:`clean_config`).
         rank / world: this process's rank and the number of processes.
+        loss_scaler: the host's loss scaler (a ``torch.amp.GradScaler``) under mixed precision,
+            or None: AnomalyMonitor then expects overflow steps, and rollback restores it.
     """
 
     name: str
@@ -56,6 +57,7 @@ class Host:
     config: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     world: int = 1
+    loss_scaler: Any = None
 
 
 class _LrGroup(dict[str, Any]):
@@ -251,8 +253,3 @@ class Bridge:
         else:
             run.__exit__(type(exc), exc, exc.__traceback__)
 
-
-def failure_in_flight() -> BaseException | None:
-    """The exception being handled right now, if any (a host that calls its end hook from a
-    ``finally`` block)."""
-    return sys.exc_info()[1]

@@ -140,6 +140,8 @@ class WatchedRun:
         p.dataset_sink_mode = False
         p.train_dataset_element = None
         p.lr_scheduler = self._lr_scheduler
+        if host is not None and host.loss_scaler is not None:
+            p.loss_scaler = host.loss_scaler
         p.train_results = {}
         p.run_view = self.view = RunView(
             p,

@@ -1,0 +1,413 @@
+"""stepwatch's callbacks inside Lightning's ``Trainer.fit``.
+
+:class:`StepwatchCallback` is a ``lightning.pytorch.Callback``. Give it stepwatch callbacks
+(LossMonitor, AnomalyMonitor, RunRecorder, ProgressBar, your own MindSpore-style ``Callback``)
+and put it in the Trainer's callbacks: they see the cb_params and run view they see under
+``stepwatch.Model``, and their actions reach the Trainer::
+
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder
+    from stepwatch.integrations.lightning import StepwatchCallback
+
+
+    class Net(pl.LightningModule):
+        def __init__(self, lr: float = 0.1) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+    x = torch.randn(640, 8)
+    y = (x[:, 0] > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=32)
+    watch = StepwatchCallback([LossMonitor(10), AnomalyMonitor(), RunRecorder(db="runs.db")])
+    trainer = pl.Trainer(max_epochs=3, callbacks=[watch], accelerator="cpu", logger=False)
+    trainer.fit(Net(), loader, loader)
+    print(watch.stop_reason)  # None: nothing stopped this run
+
+What the bridge reads from Lightning:
+
+- **The loss**, as the Trainer holds it: the training_step's loss that Lightning hands to
+  ``on_train_batch_end`` (a detached copy, on the device). It goes into the run's loss tap as
+  it is, so nothing waits for the device on quiet steps; the monitors read it in batches.
+  With ``accumulate_grad_batches=n`` a stepwatch step is an optimizer step: its loss is the
+  mean of the batches' losses since the last step (Lightning divides each by ``n``; the bridge
+  undoes that), computed on the device. A step whose training_step returned no loss is left out
+  (a warning says so once).
+- **Step, epoch, steps per epoch, rank and world**: stepwatch's step counts the optimizer
+  steps (``trainer.global_step`` advancing) from 1; the steps per epoch are
+  ``ceil(num_training_batches / accumulate_grad_batches)``; the epochs come from
+  ``max_epochs`` / ``max_steps``; rank and world are ``trainer.global_rank`` /
+  ``trainer.world_size``. A fit resumed from a checkpoint is a new run counting from step 1.
+  Sanity-check validation is not training: its steps and values are not counted.
+- **The learning rate** from the Trainer's (first) optimizer, a torch optimizer; the first LR
+  scheduler is the run's ``lr_scheduler``.
+- **Epoch values**: at ``on_train_epoch_end``, the epoch's validation values (taken when
+  Lightning's validation ends, which is before the training epoch ends) and the training values
+  logged during the epoch, from ``trainer.callback_metrics``, under stepwatch's names
+  (``val_loss`` -> ``eval_loss``, ``val_acc`` -> ``eval_acc``, ``acc`` -> ``train_acc``). The
+  epoch's ``loss`` is the mean of its step losses, as under ``stepwatch.Model``; the per-step
+  copies Lightning keeps (``*_step``) are left out, and a value logged per step only is its
+  last step's. Values from an earlier epoch (a ``val_loss`` of an epoch that did not validate)
+  are not repeated. Lightning calls a LightningModule's own ``on_train_epoch_end`` after the
+  callbacks', so values logged there are not in the run: log them in ``training_step`` with
+  ``on_epoch=True``, or in validation.
+- **Gradients**: with automatic optimization they are on the module's parameters when
+  ``on_train_batch_end`` runs (after the optimizer step, before the next ``zero_grad``), so the
+  gradient detectors work. With manual optimization the bridge cannot know where the
+  gradients are: the gradient detectors are off, with one note.
+- **Config**: the module's ``hparams`` and the Trainer's settings (``max_epochs``,
+  ``accumulate_grad_batches``, ``precision``, ``strategy``, ...), stored with the run.
+
+How the actions reach Lightning:
+
+- ``stop``: ``trainer.should_stop = True``. Lightning ends the epoch (it validates first, as
+  for early stopping) and the fit; ``min_epochs`` / ``min_steps`` can make it go on.
+- ``reduce_lr``: the torch optimizer's ``param_groups`` (and the LR scheduler's base rates).
+- ``snapshot``: ``trainer.save_checkpoint`` writes ``anomaly-<kind>-step<n>.ckpt``, which
+  ``YourModule.load_from_checkpoint`` loads and ``Trainer.fit(ckpt_path=...)`` resumes from.
+  In a distributed run Lightning's checkpoint is written by every rank together while the snapshot
+  action runs on rank 0 alone, so there the snapshot is stepwatch's own ``.pt`` file (the
+  module and optimizer state, loadable with ``stepwatch.load_checkpoint(path, module)``).
+- ``rollback``: the module, optimizer and LR scheduler are torch objects, restored in place
+  through their ``state_dict`` on one device or under DDP. Where that is not so (several
+  optimizers, or a sharding strategy such as FSDP or DeepSpeed, whose state is split over the
+  ranks) a rollback stops the run instead, and its outcome says so.
+
+When ``Trainer.fit`` fails, Lightning calls ``on_exception``: the run ends with the error and
+RunRecorder stores it ``failed`` (``interrupted`` for Ctrl-C, which Lightning turns into
+``SystemExit`` once the callbacks have run). A failure before training starts (in ``setup``
+or the sanity check) comes before the run and is not recorded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from torch import nn
+
+from ..monitor import values as names
+from ..train.serialization import TMP_PREFIX
+from ..train.watched import WatchedRun
+from ._bridge import Bridge, Host, clean_config, host_values
+
+__all__ = ["StepwatchCallback"]
+
+_OWNER = "lightning.StepwatchCallback"
+_EVAL = "eval_"  # stepwatch's validation values: eval_loss, eval_<metric>
+_UNKNOWN_EPOCH = 2**31 - 1  # steps per epoch of a loader without a length and no max_steps
+_TRAINER_SETTINGS = (
+    "max_epochs",
+    "min_epochs",
+    "max_steps",
+    "min_steps",
+    "accumulate_grad_batches",
+    "precision",
+    "gradient_clip_val",
+    "gradient_clip_algorithm",
+    "num_training_batches",
+    "limit_train_batches",
+    "val_check_interval",
+    "check_val_every_n_epoch",
+    "num_sanity_val_steps",
+    "num_devices",
+    "num_nodes",
+    "world_size",
+)
+
+
+class StepwatchCallback(pl.Callback):
+    """stepwatch's callbacks in a Lightning ``Trainer``: ``Trainer(callbacks=[StepwatchCallback(
+    [LossMonitor(10), AnomalyMonitor(), RunRecorder()])])``.
+
+    Each ``Trainer.fit`` is one stepwatch run: it opens when training starts (after the sanity
+    check) and ends with the fit, ``failed`` when the fit raises.
+
+    Args:
+        callbacks: a stepwatch ``Callback`` or a list of them (built-in ones or your own),
+            instances, not classes.
+
+    Raises:
+        TypeError: ``callbacks`` is not a stepwatch Callback or a list of them (a class where
+            an instance belongs, a Lightning callback, a number, ...).
+    """
+
+    def __init__(self, callbacks: Any = None) -> None:
+        super().__init__()
+        self.bridge = Bridge(callbacks, _OWNER)
+        self._pending: list[torch.Tensor] = []
+        self._seen_step = 0
+        self._accumulate = 1
+        self._automatic = True
+        self._evals: dict[str, float] = {}
+        self._before: dict[str, Any] = {}
+        self._warned_no_loss = False
+        self._run: WatchedRun | None = None
+
+    # -- what a user reads -----------------------------------------------------------------------
+    @property
+    def callbacks(self) -> list[Any]:
+        """The stepwatch callbacks this bridge runs."""
+        return list(self.bridge.callbacks)
+
+    @property
+    def run(self) -> WatchedRun | None:
+        """The stepwatch run of the latest fit, in progress or ended (``run.stop_kind``,
+        ``run.rollbacks``, ``run.cb_params``), or None before the first fit trains."""
+        return self._run
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stepwatch callback stopped the latest fit (``'nonfinite at step 20'``), or
+        None."""
+        return self._run.stop_reason if self._run is not None else None
+
+    # -- Lightning's hooks -----------------------------------------------------------------------
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pending, self._evals = [], {}
+        self._before = dict(trainer.callback_metrics)
+        self._seen_step = int(trainer.global_step)
+        self._accumulate = max(1, int(trainer.accumulate_grad_batches))
+        self._automatic = bool(pl_module.automatic_optimization)
+        self._warned_no_loss = False
+        optimizers = list(trainer.optimizers)
+        optimizer = optimizers[0] if optimizers else None
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        steps_per_epoch = _steps_per_epoch(trainer, self._accumulate)
+        world = int(trainer.world_size)
+        host = Host(
+            name="lightning",
+            network=pl_module,
+            optimizer=optimizer,
+            grads=self._automatic and optimizer is not None,
+            restores=_restores(trainer, pl_module, optimizers),
+            save=_saver(trainer) if world == 1 else None,
+            config=clean_config(_config(trainer, pl_module, scheduler)),
+            rank=int(trainer.global_rank),
+            world=world,
+            loss_scaler=getattr(trainer.precision_plugin, "scaler", None),
+        )
+        loader = trainer.train_dataloader
+        self._run = self.bridge.begin(
+            host,
+            epochs=_epochs(trainer, steps_per_epoch),
+            steps_per_epoch=steps_per_epoch,
+            dataset=loader if isinstance(loader, torch.utils.data.DataLoader) else None,
+            lr_scheduler=scheduler,
+        )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # What callback_metrics holds now is from before this epoch (the values a module logs in
+        # its own on_train_epoch_end land after this callback's hook): none of it is this epoch's.
+        self._before = dict(trainer.callback_metrics)
+        self._evals = {}
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self.bridge.running:
+            return
+        loss = _loss_of(outputs)
+        if loss is not None:
+            self._pending.append(loss)
+        step = int(trainer.global_step)
+        if step == self._seen_step:
+            return  # accumulating: no optimizer step yet
+        self._seen_step = step
+        pending, self._pending = self._pending, []
+        if not pending:
+            self._warn_no_loss(step)
+            return
+        if self.bridge.step(self._step_loss(pending), outputs, batch):
+            self._stop(trainer)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not self.bridge.running:
+            return
+        values = host_values(_epoch_metrics(trainer.callback_metrics))
+        self._evals = {k: v for k, v in values.items() if k.startswith(_EVAL)}
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.bridge.running:
+            return
+        before = self._before
+        metrics = trainer.callback_metrics
+        fresh = {k: v for k, v in metrics.items() if before.get(k) is not v}
+        values = {
+            k: v
+            for k, v in host_values(_epoch_metrics(fresh)).items()
+            if k != names.LOSS and not k.startswith(_EVAL)
+        }
+        values.update(self._evals)
+        self._evals = {}
+        if self.bridge.epoch_end(values):
+            self._stop(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(None)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end(None)  # a fit whose training loop never ran its end hook
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._end(exception)
+
+    # -- the parts -------------------------------------------------------------------------------
+    def _step_loss(self, pending: list[torch.Tensor]) -> torch.Tensor:
+        """The optimizer step's loss: the mean of its batches' losses, on the device."""
+        scale = self._accumulate if self._automatic else 1  # Lightning divided each by it
+        if len(pending) == 1 and scale == 1:
+            return pending[0]
+        total = torch.stack([t.reshape(()) for t in pending]).sum()
+        return total * (scale / len(pending))
+
+    @staticmethod
+    def _stop(trainer: pl.Trainer) -> None:
+        trainer.should_stop = True
+
+    def _end(self, exc: BaseException | None) -> None:
+        if not self.bridge.running:
+            return
+        self._pending = []
+        self.bridge.end(exc)
+
+    def _warn_no_loss(self, step: int) -> None:
+        if self._warned_no_loss:
+            return
+        self._warned_no_loss = True
+        warnings.warn(
+            f"{_OWNER}: training_step returned no loss for optimizer step {step}, so stepwatch "
+            "leaves that step out; return the loss tensor (or {'loss': tensor}) from "
+            "training_step to have every step watched.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def __repr__(self) -> str:
+        inner = ", ".join(type(cb).__name__ for cb in self.bridge.callbacks)
+        return f"StepwatchCallback([{inner}])"
+
+
+def _loss_of(outputs: Any) -> torch.Tensor | None:
+    """The loss in what ``training_step`` returned (Lightning's copy of it): a tensor, or the
+    ``'loss'`` of a dict; None when there is none."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss.detach()
+    return None
+
+
+def _epoch_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Lightning's logged values as epoch values: a value logged both per step and per epoch
+    appears as ``name`` (the epoch's), ``name_step`` and ``name_epoch``; keep ``name``."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if key.endswith("_step") and key[: -len("_step")] in metrics:
+            continue
+        if key.endswith("_epoch"):
+            base = key[: -len("_epoch")]
+            if base in metrics:
+                continue
+            key = base
+        out[key] = value
+    return out
+
+
+def _steps_per_epoch(trainer: pl.Trainer, accumulate: int) -> int:
+    batches = trainer.num_training_batches
+    if isinstance(batches, float) and not math.isfinite(batches):
+        max_steps = int(trainer.max_steps)
+        return max_steps if max_steps > 0 else _UNKNOWN_EPOCH
+    return max(1, math.ceil(int(batches) / accumulate))
+
+
+def _epochs(trainer: pl.Trainer, steps_per_epoch: int) -> int:
+    max_epochs = trainer.max_epochs
+    epochs = int(max_epochs) if max_epochs is not None and max_epochs > 0 else None
+    max_steps = int(trainer.max_steps)
+    if max_steps > 0:
+        by_steps = math.ceil(max_steps / steps_per_epoch)
+        epochs = min(epochs, by_steps) if epochs is not None else by_steps
+    return max(1, epochs or 1)
+
+
+def _restores(trainer: pl.Trainer, pl_module: nn.Module, optimizers: list[Any]) -> bool:
+    """Whether rollback may restore the module and optimizer in place through state_dict."""
+    strategy = trainer.strategy
+    whole = isinstance(strategy, SingleDeviceStrategy) or (
+        isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
+    )
+    return (
+        whole
+        and isinstance(pl_module, nn.Module)
+        and len(optimizers) == 1
+        and isinstance(optimizers[0], torch.optim.Optimizer)
+    )
+
+
+def _saver(trainer: pl.Trainer) -> Any:
+    """``Host.save``: Lightning's own checkpoint, written under a temporary name and moved into
+    place, so a killed write leaves no half file under the real name."""
+
+    def save(stem: Path) -> Path:
+        path = stem.parent / f"{stem.name}.ckpt"
+        tmp = stem.parent / f"{TMP_PREFIX}{stem.name}.ckpt"
+        trainer.save_checkpoint(tmp)
+        os.replace(tmp, path)
+        return path
+
+    return save
+
+
+def _config(trainer: pl.Trainer, pl_module: pl.LightningModule, scheduler: Any) -> dict[str, Any]:
+    """The module's hparams and the Trainer's settings, stored with the run."""
+    settings: dict[str, Any] = {}
+    for name in _TRAINER_SETTINGS:
+        try:
+            settings[name] = getattr(trainer, name)
+        except Exception:  # a setting this Lightning version does not have, or cannot give now
+            continue
+    settings["strategy"] = type(trainer.strategy).__name__
+    settings["accelerator"] = type(trainer.accelerator).__name__
+    settings["automatic_optimization"] = bool(pl_module.automatic_optimization)
+    settings["optimizers"] = [type(o).__name__ for o in trainer.optimizers]
+    if scheduler is not None:
+        settings["lr_scheduler"] = type(scheduler).__name__
+    hparams = getattr(pl_module, "hparams", None)
+    return {
+        "model": type(pl_module).__name__,
+        "hparams": dict(hparams) if isinstance(hparams, Mapping) else {},
+        "trainer": settings,
+        "lightning_version": pl.__version__,
+    }
