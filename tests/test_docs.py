@@ -15,6 +15,8 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 # mixed-precision example runs in bfloat16 on this CPU, where its loss scaler is not needed.
 @pytest.mark.filterwarnings("ignore:DistributedMonitor is in a run of one process")
 @pytest.mark.filterwarnings("ignore:'loss_scale_manager' with bfloat16")
+# Lightning 2.6 on torch 2.13 warns about its own use of torch's pytree LeafSpec.
+@pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)`:FutureWarning")
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_python_block_runs(
     index: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
