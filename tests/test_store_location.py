@@ -51,16 +51,47 @@ def test_the_cli_reads_a_store_named_by_url(tmp_path: Path) -> None:
     assert "cli-url" in out
 
 
-def test_a_store_kind_without_a_backend_is_refused_without_the_password() -> None:
-    url = "postgresql://trainer:s3cret@db.example:5432/runs"
-    for make in (lambda: RunRecorder(db=url), lambda: RunWriter(url), lambda: Store(url)):
-        with pytest.raises(ValueError, match="cannot open yet") as info:
-            make()
-        assert "s3cret" not in str(info.value) and "trainer:***@db.example" in str(info.value)
+def test_a_server_store_that_cannot_be_reached_is_a_warning_and_drops_never_the_password(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import logging
+    import socket
+
+    pytest.importorskip("psycopg")
+    from stepwatch.store import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "_UNREACHABLE_CLOSE_WAIT", 0.5)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"postgresql://trainer:s3cret@127.0.0.1:{port}/runs"
+    with caplog.at_level(logging.WARNING, logger="stepwatch"):
+        RunRecorder(db=url)  # accepted: the writer keeps trying while training goes on
+        writer = RunWriter(url, name="away")
+        for step in range(10):
+            writer.log("loss", 1.0, step)
+        writer.close()
+    assert writer.run_id is None and writer.dropped == 10
+    assert "trainer:***@127.0.0.1" in caplog.text and "cannot be reached" in caplog.text
+    with pytest.raises(ConnectionError, match="cannot reach the store") as info:
+        Store(url)
+    assert "s3cret" not in str(info.value) and "s3cret" not in caplog.text
     with pytest.raises(ValueError, match=r"unknown kind of store \(mysql://\)"):
         RunRecorder(db="mysql://x/y")
     with pytest.raises(TypeError, match="'db' must be a path, a store URL or None"):
         RunRecorder(db=123)  # type: ignore[arg-type]
+
+
+def test_a_password_is_hidden_wherever_it_is_in_the_url() -> None:
+    from stepwatch.store.base import hide_password
+
+    assert hide_password("postgresql://u:p%40ss@h:5/db") == "postgresql://u:***@h:5/db"
+    assert hide_password("postgresql://u@h/db?password=x&sslmode=require") == (
+        "postgresql://u@h/db?password=***&sslmode=require"
+    )
+    assert hide_password("postgresql://u@h/db") == "postgresql://u@h/db"
+    shown = parse_location("postgresql://u:secret@h:notaport/db").shown
+    assert "secret" not in shown
 
 
 def _store_with_a_run(path: Path, points: int = 5000) -> None:

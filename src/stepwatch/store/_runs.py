@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from ..monitor import values
 
 __all__ = ["LossStats", "RunInfo", "effective_status"]
 
-# A 'running' run whose heartbeat is older than this is shown as crashed.
+# A 'running' run whose heartbeat is older than this is shown as crashed (in a local store,
+# where a dead process of this machine shows at once; a team store on a server uses its own,
+# shorter staleness: stepwatch.store.backends.postgres_read.STALE_SECONDS).
 STALE_SECONDS = 300.0
 
 # The loss keys, newest naming first. ``loss`` is the epoch-mean training loss and
@@ -57,6 +59,7 @@ class RunInfo(NamedTuple):
     dropped: int
     config: dict[str, Any]
     steps: int = 0
+    user: str = ""  # who ran it (recorded by a team store; '' in a local SQLite file)
 
     @property
     def duration(self) -> float:
@@ -110,3 +113,15 @@ def _loss_stats(row: Sequence[Any]) -> LossStats | None:
     else:
         epoch_mean = False
     return LossStats(key, epoch_mean, _nan(last), _nan(vmin), int(count), int(last_step))
+
+
+_T = TypeVar("_T")
+
+
+def keep_runs(
+    items: list[_T], status: str | None, last: int | None, info: Callable[[_T], RunInfo]
+) -> list[_T]:
+    """The run filters SQL cannot apply: the effective status, then the newest ``last``."""
+    if status is not None:
+        items = [item for item in items if info(item).status == status]
+    return items[-last:] if last is not None else items

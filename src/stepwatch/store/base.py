@@ -3,9 +3,10 @@
 (:class:`WriteBackend`).
 
 A location is a file path (an SQLite store, as ``RunRecorder(db="runs.db")`` has always taken)
-or a URL whose scheme names the backend (``sqlite:///runs.db``; ``postgresql://...`` is
-reserved for a team store). Every place that names a store - ``RunRecorder(db=...)``,
-``RunWriter``, ``Store``, the CLI's ``--db``, ``stepwatch serve --db`` - takes one. The writer
+or a URL whose scheme names the backend (``sqlite:///runs.db``; ``postgresql://user@host/db``
+for a team store on a PostgreSQL server, :mod:`stepwatch.store.backends.postgres_write`).
+Every place that names a store - ``RunRecorder(db=...)``, ``RunWriter``, ``Store``, the
+CLI's ``--db``, ``stepwatch serve --db`` - takes one. The writer
 keeps its queue policy (bounded queue, batches, drop-and-count) and hands batches to a
 backend; every SQL statement lives in the backend (:mod:`stepwatch.store.backends`).
 
@@ -31,7 +32,9 @@ __all__ = [
     "Location",
     "Store",
     "StoreBusy",
+    "StoreUnreachable",
     "WriteBackend",
+    "hide_password",
     "open_write_backend",
     "parse_location",
 ]
@@ -41,6 +44,15 @@ class StoreBusy(Exception):
     """Raised by a backend when another process holds the store for now: the writer keeps
     the records and tries again, instead of dropping them."""
 
+    reason = "is locked by another process"
+
+
+class StoreUnreachable(StoreBusy):
+    """Raised by a server backend when the server cannot be reached for now (down, restarting,
+    the network gone): the writer keeps the records and tries again, as for a locked store."""
+
+    reason = "cannot be reached"
+
 
 # backend kind -> (module, reader class, writer class, location check): imported on first use.
 _BACKENDS: dict[str, tuple[str, str, str, str]] = {
@@ -49,6 +61,12 @@ _BACKENDS: dict[str, tuple[str, str, str, str]] = {
         "SQLiteStore",
         "stepwatch.store.backends.sqlite_write:SQLiteWriteBackend",
         "stepwatch.store.backends.sqlite_schema:check_writable_db",
+    ),
+    "postgresql": (
+        "stepwatch.store.backends.postgres_read",
+        "PostgresStore",
+        "stepwatch.store.backends.postgres_write:PostgresWriteBackend",
+        "stepwatch.store.backends.postgres_schema:check_writable_url",
     ),
 }
 _SCHEMES = {"sqlite": "sqlite", "postgresql": "postgresql", "postgres": "postgresql"}
@@ -88,7 +106,7 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
     text = str(location)
     parts = urlsplit(text)
     kind = _SCHEMES.get(parts.scheme.lower())
-    shown = _without_password(text)
+    shown = hide_password(text)
     if kind is None:
         known = ", ".join(f"{s}://" for s in _SCHEMES)
         raise ValueError(
@@ -102,15 +120,24 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
     return Location(kind, text, shown)
 
 
-def _without_password(url: str) -> str:
-    from urllib.parse import urlsplit
+def hide_password(url: str) -> str:
+    """``url`` with its password (if any) shown as ``***``: how a store URL appears in every
+    message, log line and page."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
 
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return parts._replace(netloc=f"{user}:***@{netloc}").geturl()
+    try:
+        password = parts.password
+    except ValueError:  # a malformed port: the netloc is still split at its last '@'
+        password = None
+    if password is not None or ("@" in parts.netloc and ":" in parts.netloc.rsplit("@", 1)[0]):
+        netloc = parts.netloc.rsplit("@", 1)
+        user = netloc[0].split(":", 1)[0]
+        parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
+    if "password" in parts.query.lower():  # libpq also takes ?password=...
+        query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)]
+        parts = parts._replace(query=urlencode(query, safe="*"))
+    return parts.geturl()
 
 
 def _backend(location: Location, argname: str) -> tuple[str, str, str, str]:
@@ -224,12 +251,22 @@ class Store:
 
     # The reading interface: each backend's reader implements all of these.
     def runs(
-        self, name: str | None = None, status: str | None = None, last: int | None = None
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        last: int | None = None,
+        host: str | None = None,
+        user: str | None = None,
     ) -> list[RunInfo]:
         raise NotImplementedError
 
     def runs_summary(
-        self, name: str | None = None, status: str | None = None, last: int | None = None
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        last: int | None = None,
+        host: str | None = None,
+        user: str | None = None,
     ) -> list[tuple[RunInfo, LossStats | None]]:
         raise NotImplementedError
 

@@ -52,7 +52,7 @@ from ._records import (
 from ._records import Batch as _Batch
 from ._records import Event as _Event
 from ._schema import STATUSES
-from .base import StoreBusy, WriteBackend, open_write_backend, parse_location
+from .base import StoreBusy, StoreUnreachable, WriteBackend, open_write_backend, parse_location
 
 if TYPE_CHECKING:
     import numpy as np
@@ -75,7 +75,8 @@ class RunWriter:
 
     Args:
         db: the store's location: a database file (default ``$STEPWATCH_DB`` or
-            ``./stepwatch.db``) or a store URL (``sqlite:///runs.db``).
+            ``./stepwatch.db``) or a store URL (``sqlite:///runs.db``,
+            ``postgresql://user@host:5432/runs``).
         name: the run's name (default ``run-<id>``).
         config: a JSON-serialisable dict stored with the run.
         flush_seconds: the longest a record waits before it is written (default 1 s).
@@ -123,15 +124,18 @@ class RunWriter:
         self._backend: WriteBackend | None = None
         self.run_id: int | None = None
         self.name = name or ""
+        self._unreachable = False  # a server store that cannot be reached now
         try:
             self._open(_START_WAIT)
-        except StoreBusy:
-            # Another process holds the store: training goes on; the writer thread creates the
-            # run when the store is free, and the records wait for it in the queue.
+        except StoreBusy as exc:
+            # Another process holds the store (or its server is away): training goes on; the
+            # writer thread creates the run when the store is free, and the records wait for
+            # it in the queue.
+            self._unreachable = isinstance(exc, StoreUnreachable)
             logger.warning(
-                "stepwatch store: %s is locked by another process; training goes on and the "
-                "run is recorded once it is free",
+                "stepwatch store: %s %s; training goes on and the run is recorded once it is free",
                 self.location,
+                _why(exc),
             )
         self.dropped = 0
         self.written = 0
@@ -164,6 +168,8 @@ class RunWriter:
     def _room(self) -> bool:
         """Apply the full-queue policy; True if the record may be queued."""
         pending = self._pending
+        if self._unreachable:  # never wait on a server that is away: drop and count
+            self._dropping = True
         if self._dropping:
             if len(pending) > self.max_pending // 2:
                 return False
@@ -276,21 +282,29 @@ class RunWriter:
             return
         self._closing = True
         self._wake.set()
-        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        away = deadline
+        while self._thread.is_alive() and time.monotonic() < min(deadline, away):
+            self._thread.join(0.1)
+            if not self._unreachable:
+                away = deadline
+            elif away == deadline:  # a server that is away gets a shorter wait
+                away = time.monotonic() + _UNREACHABLE_CLOSE_WAIT
         if self._thread.is_alive():  # the store stayed locked: what still waits is lost
             self._give_up = True
             self._thread.join(5.0)
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in list(self._pending))
             self._pending.clear()
-            self._report_disk_error(StoreBusy(f"still locked after {timeout:.0f} s"), lost)
+            why = "away" if self._unreachable else "locked"
+            self._report_disk_error(StoreBusy(f"still {why} after {timeout:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
         backend = self._backend
         if backend is None or self.run_id is None:  # the store stayed locked from the start
             logger.warning(
-                "stepwatch store: %s stayed locked by another process; this run was not "
-                "recorded (%d records dropped)",
+                "stepwatch store: %s stayed %s; this run was not recorded (%d records dropped)",
                 self.location,
+                "unreachable" if self._unreachable else "locked by another process",
                 self.dropped,
             )
             return
@@ -328,7 +342,8 @@ class RunWriter:
             if self._backend is None:
                 try:
                     self._open(_OPEN_WAIT)  # the store was locked at the start: try again
-                except StoreBusy:
+                except StoreBusy as exc:
+                    self._unreachable = isinstance(exc, StoreUnreachable)
                     if self._give_up:
                         break
                     self._wake.wait(1.0)
@@ -336,6 +351,7 @@ class RunWriter:
                 except Exception as exc:  # the store cannot be opened at all
                     self._report_disk_error(exc, 0)
                     break
+                self._unreachable = False
                 logger.info("stepwatch store: %s is free; run %s is recorded", self.location,
                             self.run_id)  # fmt: skip
             if closing or woken or now - last >= self.flush_seconds:
@@ -390,21 +406,27 @@ class RunWriter:
             assert self._backend is not None and run is not None
             self._backend.write(run, flat, event_rows, time.time())
             self.written += count
+            self._unreachable = False
             if self._busy_since is not None:
                 logger.info("stepwatch store: %s is free again; the waiting records are written",
                             self.location)  # fmt: skip
                 self._busy_since = None
-        except StoreBusy:
-            # Another process holds the store: keep everything, in order, and try again. The
-            # full-queue policy bounds what waits; close() gives up after its timeout.
+        except StoreBusy as exc:
+            # Another process holds the store (or its server is away): keep everything, in
+            # order, and try again (the backend's writes are idempotent, so a batch whose
+            # commit was lost with the connection is not stored twice). The full-queue policy
+            # bounds what waits; close() gives up after its timeout.
             pending.extendleft(reversed(items))
+            self._unreachable = isinstance(exc, StoreUnreachable)
             if self._busy_since is None:
                 self._busy_since = time.monotonic()
                 logger.warning(
-                    "stepwatch store: %s is locked by another process; %d records wait and are "
-                    "written when it is free (training goes on)",
+                    "stepwatch store: %s %s; %d records wait and are written when it is free "
+                    "(training goes on; past %d waiting, records are dropped and counted)",
                     self.location,
+                    _why(exc),
                     len(pending),
+                    self.max_pending,
                 )
         except Exception as exc:  # a failing disk must not reach training
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in items)
@@ -440,3 +462,13 @@ class RunWriter:
 # writer thread keeps trying), and per later try.
 _START_WAIT = 3.0
 _OPEN_WAIT = 1.0
+# How long close() waits for a server that cannot be reached before it counts what still
+# waits as dropped.
+_UNREACHABLE_CLOSE_WAIT = 5.0
+
+
+def _why(exc: StoreBusy) -> str:
+    """'is locked by another process', or for a server: 'cannot be reached (<reason>)'."""
+    if isinstance(exc, StoreUnreachable):
+        return f"{exc.reason} ({exc})"
+    return exc.reason

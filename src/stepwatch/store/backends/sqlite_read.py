@@ -13,8 +13,8 @@ import json
 import os
 import sqlite3
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..._validation import check_choice, check_int
 from ...monitor import values
@@ -25,6 +25,7 @@ from .._runs import (
     _loss_stats,
     _nan,
     effective_status,
+    keep_runs,
 )
 from .._schema import STATUSES
 from ..base import Store, parse_location
@@ -69,9 +70,6 @@ SELECT {_RUN_COLUMNS},
     EXISTS (SELECT 1 FROM points WHERE run = r.id AND key = r.step_loss_key)
 FROM r ORDER BY r.id
 """
-
-
-_T = TypeVar("_T")
 
 
 def _glob(pattern: str) -> bool:
@@ -149,20 +147,30 @@ class SQLiteStore(Store):
             steps=int(steps or 0),
         )
 
-    @staticmethod
     def _filters(
-        name: str | None, status: str | None, last: int | None
+        self,
+        name: str | None,
+        status: str | None,
+        last: int | None,
+        host: str | None = None,
+        user: str | None = None,
     ) -> tuple[str, list[Any], str]:
         """``(where, params, limit)`` SQL for the run filters (on a table called ``runs``)."""
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"'name' must be a str or None, but got {name!r}.")
         if status is not None:
             check_choice("status", status, STATUSES)
         check_int("last", last, minimum=1, allow_none=True)
+        if user is not None:
+            raise ValueError(f"'user' {user!r}: a local store records no users (a team store on "
+                             "PostgreSQL does); filter by name or host instead.")  # fmt: skip
         where, params = ["1"], []
-        if name is not None:
-            where.append("runs.name GLOB ?" if _glob(name) else "instr(runs.name, ?) > 0")
-            params.append(name)
+        for argname, text in (("name", name), ("host", host)):
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise TypeError(f"'{argname}' must be a str or None, but got {text!r}.")
+            glob = _glob(text)
+            where.append(f"runs.{argname} GLOB ?" if glob else f"instr(runs.{argname}, ?) > 0")
+            params.append(text)
         if status in ("running", "crashed"):
             # A crashed run is stored as 'running'; its effective status is decided in Python.
             where.append("runs.status IN ('running', 'crashed')")
@@ -173,17 +181,13 @@ class SQLiteStore(Store):
         limit = f"LIMIT {int(last)}" if last is not None and status is None else ""
         return " AND ".join(where), params, limit
 
-    @staticmethod
-    def _keep(
-        items: list[_T], status: str | None, last: int | None, info: Callable[[_T], RunInfo]
-    ) -> list[_T]:
-        """The filters SQL could not apply: the effective status, then the newest ``last``."""
-        if status is not None:
-            items = [item for item in items if info(item).status == status]
-        return items[-last:] if last is not None else items
-
     def runs(
-        self, name: str | None = None, status: str | None = None, last: int | None = None
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        last: int | None = None,
+        host: str | None = None,
+        user: str | None = None,
     ) -> list[RunInfo]:
         """The runs, oldest first, optionally filtered.
 
@@ -193,28 +197,36 @@ class SQLiteStore(Store):
             status: keep runs with this status (``running``, ``finished``, ``failed``,
                 ``interrupted``, ``crashed``; a dead ``running`` run counts as crashed).
             last: keep only the newest ``last`` runs (after the other filters).
+            host: keep runs recorded on a host whose name contains this text (or matches it as
+                a glob). user: a team store's filter by who ran it (a local file records no
+                users: ValueError).
         """
-        where, params, limit = self._filters(name, status, last)
+        where, params, limit = self._filters(name, status, last, host, user)
         with self._snapshot() as conn:
             rows = conn.execute(
                 f"SELECT {_RUN_COLUMNS} FROM (SELECT * FROM runs WHERE {where} "
                 f"ORDER BY id DESC {limit}) r ORDER BY r.id",
                 params,
             ).fetchall()
-        return self._keep([self._info(row) for row in rows], status, last, lambda r: r)
+        return keep_runs([self._info(row) for row in rows], status, last, lambda r: r)
 
     def runs_summary(
-        self, name: str | None = None, status: str | None = None, last: int | None = None
+        self,
+        name: str | None = None,
+        status: str | None = None,
+        last: int | None = None,
+        host: str | None = None,
+        user: str | None = None,
     ) -> list[tuple[RunInfo, LossStats | None]]:
         """Each run (filtered as in :meth:`runs`) with its training loss summarised, in one
         query: ``[(run, LossStats or None), ...]``, oldest first. See :class:`LossStats` for
         which loss key a run is summarised by."""
-        where, params, limit = self._filters(name, status, last)
+        where, params, limit = self._filters(name, status, last, host, user)
         sql = _LOSS_SQL.format(where=where, limit=limit)
         with self._snapshot() as conn:
             rows = conn.execute(sql, params).fetchall()
         pairs = [(self._info(row[:11]), _loss_stats(row[11:])) for row in rows]
-        return self._keep(pairs, status, last, lambda pair: pair[0])
+        return keep_runs(pairs, status, last, lambda pair: pair[0])
 
     def loss_stats(self, run: int | str) -> LossStats | None:
         """The run's training loss summarised as in :meth:`runs_summary` (None if it has none).
