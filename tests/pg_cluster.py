@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["PgCluster", "pg_cluster", "pg_url", "unavailable"]
+# Import the two fixtures into a test module to use ``pg_cluster`` and ``pg_url`` there.
+__all__ = ["PgCluster", "pg_cluster_fixture", "pg_url_fixture", "unavailable"]
 
 ROLE = "stepwatch"
 _TIMEOUT = 60  # seconds for any one initdb / pg_ctl call
@@ -87,7 +88,7 @@ class PgCluster:
                 try:
                     shutil.chown(root, "postgres", "postgres")
                 except (LookupError, PermissionError) as exc:
-                    raise RuntimeError(f"no 'postgres' system user to run the server: {exc}")
+                    raise RuntimeError(f"no 'postgres' user to run the server: {exc}") from None
             pwfile = root / "pw"
             pwfile.write_text(cluster.password + "\n")
             if cluster._as_postgres:
@@ -120,7 +121,7 @@ class PgCluster:
     def _start_server(self) -> None:
         options = (
             f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-            "-c synchronous_commit=off -c full_page_writes=off -c max_connections=100"
+            "-c full_page_writes=off -c max_connections=100"
         )
         self._call(
             "pg_ctl", "start", "-D", str(self.data), "-w", "-t", str(_TIMEOUT - 5),
@@ -161,8 +162,8 @@ class PgCluster:
         return self.url(name)
 
 
-@pytest.fixture(scope="session")
-def pg_cluster() -> Iterator[PgCluster]:
+@pytest.fixture(scope="session", name="pg_cluster")
+def pg_cluster_fixture() -> Iterator[PgCluster]:
     try:
         import psycopg  # noqa: F401
     except ImportError:
@@ -177,6 +178,6 @@ def pg_cluster() -> Iterator[PgCluster]:
         cluster.stop()
 
 
-@pytest.fixture
-def pg_url(pg_cluster: PgCluster) -> str:
+@pytest.fixture(name="pg_url")
+def pg_url_fixture(pg_cluster: PgCluster) -> str:
     return pg_cluster.new_database()

@@ -27,6 +27,7 @@ import atexit
 import collections
 import json
 import logging
+import sys
 import os
 import socket
 import threading
@@ -66,8 +67,11 @@ _OPEN_WRITERS: weakref.WeakSet[RunWriter] = weakref.WeakSet()
 
 @atexit.register
 def _close_open_writers() -> None:  # pragma: no cover - runs at interpreter exit
+    # A run still open at exit was never ended; an uncaught error on the way out (the
+    # interpreter keeps it as sys.last_value) means the run failed, not that it finished.
+    failed = getattr(sys, "last_value", None) is not None
     for writer in list(_OPEN_WRITERS):
-        writer.close("finished")
+        writer.close("failed" if failed else "finished")
 
 
 class RunWriter:

@@ -1,0 +1,295 @@
+"""The team store on a real PostgreSQL server (a throwaway cluster, tests/pg_cluster.py).
+
+Where PostgreSQL cannot be started these tests skip with the reason; with
+``STEPWATCH_REQUIRE_POSTGRES=1`` (``.ci/run`` sets it) that is a failure instead.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stepwatch import RunRecorder, RunWriter, Store
+from stepwatch.store.backends import postgres_read
+
+from .conftest import make_batches, make_model, run_cli, wait_until
+from .pg_cluster import PgCluster, pg_cluster_fixture, pg_url_fixture  # noqa: F401 - fixtures
+
+JOB = Path(__file__).resolve().parent / "jobs" / "pg_writer_job.py"
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def _exact(key: str) -> bool:
+    """A key whose values the seed decides (not a timing)."""
+    return not any(word in key for word in ("time", "per_s", "throughput", "speed"))
+
+
+def test_a_run_recorded_by_model_train_reads_back_as_from_a_local_store(
+    pg_url: str, tmp_path: Path
+) -> None:
+    local = tmp_path / "runs.db"
+    recorders = []
+    for db in (pg_url, local):
+        recorder = RunRecorder(db=db, run_name="team", config={"lr": 0.1}, flush_seconds=0.05)
+        make_model().train(3, make_batches(4), callbacks=[recorder])
+        recorders.append(recorder)
+    with Store(pg_url) as team, Store(local) as mine:
+        assert type(team).__name__ == "PostgresStore" and "***" in team.location
+        (run,) = team.runs()
+        assert run.status == "finished" and run.name == "team" and run.steps == 12
+        assert run.host and run.user and run.config["lr"] == 0.1
+        other = mine.run(recorders[1].run_id)
+        assert team.keys(run.id) == mine.keys(other.id)
+        ours = [(k, s, e, v) for k, s, e, _, v in team.points(run.id) if _exact(k)]
+        theirs = [(k, s, e, v) for k, s, e, _, v in mine.points(other.id) if _exact(k)]
+        assert ours == theirs and len(ours) >= 18  # same seed, same points (but the timings)
+        assert [(e["kind"], e["step"]) for e in team.events(run.id)] == [
+            (e["kind"], e["step"]) for e in mine.events(other.id)
+        ]
+        ours_summary, theirs_summary = team.summary(run.id), mine.summary(other.id)
+        assert ours_summary.keys() == theirs_summary.keys()
+        assert {k: v for k, v in ours_summary.items() if _exact(k)} == {
+            k: v for k, v in theirs_summary.items() if _exact(k)
+        }
+        assert team.loss_stats(run.id) == mine.loss_stats(other.id)
+        assert [r.name for r in team.runs(name="te*")] == ["team"]
+        assert team.runs(name="nope") == [] and team.runs(status="crashed") == []
+
+
+def test_downsampled_and_live_reads_match_the_local_store(pg_url: str, tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal(20_000).cumsum()
+    values[[5, 777, 13_000]] = np.nan
+    values[9_999] = 1e6  # a spike every downsampling keeps
+    for db in (pg_url, tmp_path / "runs.db"):
+        writer = RunWriter(db, name="curve", flush_seconds=0.05)
+        for at in range(0, 20_000, 5_000):  # in several batches: the rollups merge
+            writer.log_batch("step_loss", range(at, at + 5_000), values[at : at + 5_000], epoch=1)
+        writer.close()
+    with Store(pg_url) as team, Store(tmp_path / "runs.db") as mine:
+        for kwargs in ({}, {"max_points": 200}, {"max_points": 64, "start": 100, "end": 9_000},
+                       {"max_points": 500, "after": 15_000}, {"after": 19_990}):  # fmt: skip
+            a_steps, a_values = team.metrics(1, "step_loss", **kwargs)
+            b_steps, b_values = mine.metrics(1, "step_loss", **kwargs)
+            assert a_steps.tolist() == b_steps.tolist(), kwargs
+            assert all(map(_same, a_values.tolist(), b_values.tolist())), kwargs
+        assert 1e6 in team.metrics(1, "step_loss", max_points=50)[1]
+        with pytest.raises(KeyError, match="no metric 'nope'"):
+            team.metrics(1, "nope")
+
+
+def test_a_batch_sent_twice_is_stored_once(pg_url: str) -> None:
+    from stepwatch.store.base import open_write_backend
+
+    backend = open_write_backend(pg_url)
+    try:
+        run = backend.create_run("again", "{}", "here", 1, 1.0)
+        key = backend.key_id("loss")
+        flat = [v for step in range(100) for v in (key, step, 0, 1.0, float(step))]
+        event = [(1, 0, 1.0, "note", "info", "once", "{}")]
+        backend.write(run, flat, event, 2.0)
+        backend._resend = True  # as after a connection lost before the commit's answer
+        backend._seq[run] = 0
+        backend.write(run, flat, event, 3.0)
+        overlap = [*flat[:50], key, 100, 0, 1.0, 100.0]  # steps 0-9 again, and one new
+        backend.write(run, overlap, [], 4.0)  # the COPY fails on the stored steps: row by row
+        backend.finish(run, "finished", 5.0, 0)
+    finally:
+        backend.close()
+    with Store(pg_url) as store:
+        assert store.metrics(run, "loss")[0].tolist() == list(range(101))
+        assert store.summary(run)["loss"]["count"] == 101
+        assert len(store.events(run)) == 1
+        steps, _ = store.metrics(run, "loss", max_points=4)
+        assert steps.tolist() == [0, 50, 51, 100]  # two buckets: min and max of each
+
+
+def _start(url: str, name: str, points: int, mode: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(JOB), url, name, str(points), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def test_three_processes_at_once_one_killed(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    points = 3_000
+    procs = {name: _start(pg_url, name, points, mode)
+             for name, mode in (("a", "finish"), ("b", "finish"), ("victim", "hang"))}  # fmt: skip
+    try:
+        victim = procs["victim"]
+        assert victim.stdout is not None
+        victim_id = int(victim.stdout.readline())
+        assert victim.stdout.readline().strip() == "flushed"
+        victim.send_signal(signal.SIGKILL)
+        for name in ("a", "b"):
+            _, err = procs[name].communicate(timeout=60)
+            assert procs[name].returncode == 0, err
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate(timeout=30)
+    monkeypatch.setattr(postgres_read, "STALE_SECONDS", 1.0)  # not 20 s, for the test
+    with Store(pg_url) as store:
+        wait_until(lambda: store.run(victim_id).status == "crashed", timeout=30, interval=0.1)
+        runs = {r.name: r for r in store.runs()}
+        assert {r.status for n, r in runs.items() if n != "victim"} == {"finished"}
+        for name, run in runs.items():
+            steps, values = store.metrics(run.id, "step_loss")
+            expected = points if name != "victim" else points // 2
+            assert steps.tolist() == list(range(expected)), name  # none lost, none twice
+            assert values.tolist() == [float(s) for s in range(expected)]
+            assert store.summary(run.id)["step_loss"]["count"] == expected
+            assert store.metrics(run.id, "lr")[0].tolist() == list(range(0, expected, 50))
+            assert [e["message"] for e in store.events(run.id)] == (
+                ["done"] if name != "victim" else []
+            )
+        assert [r.name for r in store.runs(status="crashed")] == ["victim"]
+
+
+def test_a_server_restarted_mid_run_loses_no_training_and_counts_the_gap(
+    pg_cluster: PgCluster, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = RunWriter(pg_url, name="restarted", flush_seconds=0.05, max_pending=100)
+    restarted = threading.Event()
+
+    def restart() -> None:
+        pg_cluster.restart(down_seconds=1.0)
+        restarted.set()
+
+    step, after = 0, None
+    with caplog.at_level(logging.INFO, logger="stepwatch"):
+        writer.log("loss", 0.0, step)
+        assert writer.flush()
+        thread = threading.Thread(target=restart)
+        thread.start()
+        try:
+            while after is None or step < after + 500:  # training goes on through the gap
+                step += 1
+                writer.log("loss", float(step), step)
+                time.sleep(0.001)
+                if after is None and restarted.is_set():
+                    after = step
+        finally:
+            thread.join(60)
+        assert writer.flush(timeout=30)
+        writer.close()
+    assert "cannot be reached" in caplog.text and "is free again" in caplog.text
+    assert pg_cluster.password not in caplog.text
+    with Store(pg_url) as store:
+        run = store.run(writer.run_id)
+        steps = store.metrics(run.id, "loss")[0].tolist()
+    assert len(steps) == len(set(steps)) == writer.written
+    assert writer.dropped > 0 and run.dropped == writer.dropped  # the gap's drops, counted
+    assert len(steps) + writer.dropped == step + 1
+    assert steps[-1] == step and [s for s in steps if s > after]  # points after the gap arrive
+    assert run.status == "finished"
+
+
+def test_the_password_is_never_in_an_error(pg_cluster: PgCluster, pg_url: str) -> None:
+    secret = pg_cluster.password
+    wrong = pg_url.replace(secret, "not-" + secret)
+    for make in (lambda: RunRecorder(db=wrong), lambda: RunWriter(wrong), lambda: Store(wrong)):
+        with pytest.raises(ValueError, match=r"the server refused: .*password authentication") as e:
+            make()
+        assert secret not in str(e.value) and "stepwatch:***@127.0.0.1" in str(e.value)
+    missing = pg_cluster.url("no_such_db")
+    with pytest.raises(ValueError, match='database "no_such_db" does not exist') as info:
+        RunRecorder(db=missing)
+    assert secret not in str(info.value)
+    done = run_cli("runs", "--db", wrong, timeout=60)
+    assert done.returncode == 2 and "password authentication failed" in done.stderr
+    assert secret not in done.stderr + done.stdout
+
+
+def test_credentials_from_pgpassword(
+    pg_cluster: PgCluster, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGPASSWORD", pg_cluster.password)
+    bare = pg_url.replace(f":{pg_cluster.password}@", "@")
+    writer = RunWriter(bare, name="env")
+    writer.log("loss", 1.0, 1)
+    writer.close()
+    with Store(bare) as store:
+        assert [r.name for r in store.runs()] == ["env"]
+        assert store.location == bare
+
+
+def test_a_store_of_a_newer_schema_is_refused_clearly(pg_url: str) -> None:
+    import psycopg
+
+    writer = RunWriter(pg_url, name="old")
+    writer.close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    for make in (lambda: RunRecorder(db=pg_url), lambda: RunWriter(pg_url), lambda: Store(pg_url)):
+        with pytest.raises(ValueError, match=r"newer stepwatch \(store schema 99; this version"):
+            make()
+
+
+def test_an_empty_database_is_no_store_yet(pg_url: str) -> None:
+    with pytest.raises(FileNotFoundError, match="no stepwatch store in"):
+        Store(pg_url)
+    done = run_cli("runs", "--db", pg_url, timeout=60)
+    assert done.returncode == 2 and "record a run into it first" in done.stderr
+
+
+def _get(server: Any, path: str) -> tuple[int, Any]:
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(str(host), int(port), timeout=30)
+    try:
+        conn.request("GET", path)
+        answer = conn.getresponse()
+        return answer.status, json.loads(answer.read())
+    finally:
+        conn.close()
+
+
+def test_the_dashboard_api_over_postgresql(pg_url: str) -> None:
+    from stepwatch.dashboard.server import make_server, serve_in_thread
+
+    writer = RunWriter(pg_url, name="served", config={"lr": 0.5}, flush_seconds=0.05)
+    writer.log_batch("step_loss", range(1_000), np.linspace(2.0, 0.1, 1_000), epoch=1)
+    writer.log("loss", 0.5, 999, epoch=1)
+    writer.event("checkpoint", "saved", 999)
+    assert writer.flush()
+    server = make_server(pg_url, port=0)
+    thread = serve_in_thread(server)
+    try:
+        status, runs = _get(server, "/api/runs")
+        assert status == 200 and [r["name"] for r in runs] == ["served"]
+        assert runs[0]["status"] == "running" and runs[0]["loss_key"] == "loss"
+        assert runs[0]["best_loss"] == 0.5 and runs[0]["config"] == {"lr": 0.5}
+        rid = runs[0]["id"]
+        status, keys = _get(server, f"/api/runs/{rid}/keys")
+        assert keys == ["loss", "step_loss"]
+        status, curve = _get(server, f"/api/runs/{rid}/metrics/step_loss?max_points=100")
+        assert status == 200 and len(curve["steps"]) <= 100 and curve["steps"][0] == 0
+        writer.log_batch("step_loss", range(1_000, 1_010), np.zeros(10), epoch=2)
+        assert writer.flush()
+        status, new = _get(server, f"/api/runs/{rid}/metrics/step_loss?after=999")
+        assert new["steps"] == list(range(1_000, 1_010))  # the live view: only the new points
+        status, events = _get(server, f"/api/runs/{rid}/events")
+        assert [e["kind"] for e in events] == ["checkpoint"]
+        status, missing = _get(server, "/api/runs/999/keys")
+        assert status == 404 and "no run" in missing["error"]
+    finally:
+        writer.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
