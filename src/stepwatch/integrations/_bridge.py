@@ -252,4 +252,3 @@ class Bridge:
             run.__exit__(None, None, None)
         else:
             run.__exit__(type(exc), exc, exc.__traceback__)
-

@@ -27,9 +27,9 @@ import atexit
 import collections
 import json
 import logging
-import sys
 import os
 import socket
+import sys
 import threading
 import time
 import weakref

@@ -1,0 +1,503 @@
+"""stepwatch's callbacks inside the Hugging Face ``Trainer``.
+
+Keep training with ``transformers.Trainer``; hand stepwatch's monitors to it through one
+Trainer callback::
+
+    from transformers import Trainer, TrainingArguments
+    from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder
+    from stepwatch.integrations.transformers import StepwatchCallback
+
+    watch = StepwatchCallback([RunRecorder(db="runs.db"), AnomalyMonitor(), LossMonitor(10)])
+    trainer = Trainer(model=model, args=TrainingArguments("out", eval_strategy="epoch"),
+                      train_dataset=train_ds, eval_dataset=eval_ds, callbacks=[watch])
+    with watch:  # optional: a failure inside train() is stored as 'failed' right away
+        trainer.train()
+
+then ``stepwatch serve runs.db`` shows the run. The model returns its loss, as Trainer models
+do (``{'loss': ..., 'logits': ...}``, a ``ModelOutput``, or a tuple whose first item is it).
+
+What the bridge reads from the Trainer:
+
+- **the loss, without a device sync.** The Trainer hands callbacks no loss, so the bridge
+  puts a forward hook on the model and keeps, for each micro-batch, the ``loss`` the model
+  returned while training (a detached device tensor: nothing is read on quiet steps). The
+  step's loss combines the micro-batches as the Trainer does: their mean, or their sum when the
+  Trainer passed ``num_items_in_batch`` (the model then normalised each over the whole
+  accumulated batch). That is the loss the Trainer logs, step by step, before its
+  ``logging_nan_inf_filter`` hides non-finite ones. A Trainer that computes the loss outside
+  the model (``compute_loss_func``, ``label_smoothing_factor``, a ``compute_loss`` of your
+  own) must hand it over: call :meth:`StepwatchCallback.record_loss` in ``compute_loss``;
+  without a loss the bridge stops the run with an error naming these ways.
+- the step (``on_optimizer_step``: once per optimizer step, so one step spans all the
+  gradient-accumulation micro-batches), the epoch, the steps per epoch
+  (``ceil(len(train_dataloader) / gradient_accumulation_steps)``, or ``max_steps`` for a
+  loader without a length) and the epochs (``num_train_epochs``, or fewer under ``max_steps``);
+- **gradients**: ``on_optimizer_step`` comes after ``optimizer.step()`` and before the
+  Trainer's ``zero_grad``, so gradient detectors read them there. They are the gradients the
+  optimizer used: clipped to ``max_grad_norm`` (default 1.0), so the explosion detector sees
+  at most that norm (set ``max_grad_norm=0`` to watch raw norms); NaN gradients stay NaN.
+  Under DeepSpeed or FSDP the gradients are sharded and the gradient detectors are off.
+  Under fp16 the optimizer's loss scaler is the run's: a step it skips for overflowing
+  gradients is not measured;
+- the learning rate (the optimizer's), and the values of each evaluation under stepwatch's
+  names (``eval_loss``, ``eval_<metric>``) at the end of its epoch; the evaluation's timings
+  are left out. With several evaluation datasets (a dict) the first one's values end the
+  epoch (the monitors act on them) and the others are stored at the same step;
+- the rank and the number of processes (``args.process_index``, ``args.world_size``); the
+  run is recorded by rank 0. With several GPUs in one process (``DataParallel``,
+  ``n_gpu > 1``) the model's loss is seen once per replica: use one process per GPU.
+- the host config: ``args.to_dict()`` and ``model_config`` (the model's ``config``);
+- a run resumed with ``train(resume_from_checkpoint=...)`` is recorded from the
+  checkpoint's step on (``state.global_step``).
+
+The actions, on the Trainer's controls:
+
+- ``'stop'``: ``control.should_training_stop``; the Trainer leaves its loop after the step.
+- ``'reduce_lr'`` (and ``ReduceLROnPlateau``): the optimizer's parameter groups and the
+  scheduler's base rates, so the Trainer's schedule goes on from the lower rate.
+- ``'snapshot'``: a Trainer checkpoint folder (the weights as ``save_pretrained`` writes them,
+  or ``model.safetensors`` for a plain torch module, ``optimizer.pt``, ``scheduler.pt``,
+  ``scaler.pt`` under fp16, ``rng_state.pth``, ``trainer_state.json``):
+  ``trainer.train(resume_from_checkpoint=folder)`` resumes from it and
+  ``from_pretrained(folder)`` loads the model. A snapshot taken during a step gets its
+  schedule and trainer state at that step's ``on_step_end``.
+- ``'rollback'``: the model, the optimizer (accelerate's wrapper loads state in place), the
+  LR schedule and fp16's loss scaler are restored to a copy taken every ``rollback_every``
+  steps; the Trainer goes on counting steps with the next batches. Under DeepSpeed or FSDP,
+  rollback stops instead.
+
+A failure: the Trainer has no hook for an exception inside ``train()`` (``on_train_end`` is
+skipped). Inside ``with callback:`` the run is stored ``failed`` (``interrupted`` for Ctrl-C)
+as the exception leaves ``train()``. Without it: a script that dies of it stores ``failed``
+when the interpreter exits; a process that lives on (a notebook) keeps the run ``running``
+until its next ``train()`` with this callback (which stores it ``failed`` first) or its exit;
+a killed process shows ``crashed`` (stale heartbeat, dead pid).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import sys
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from .._validation import _got
+from ._bridge import Bridge, Host, clean_config, host_values
+from ._transformers_checkpoint import write_checkpoint
+
+__all__ = ["StepwatchCallback"]
+
+logger = logging.getLogger("stepwatch")
+
+# Evaluation values that time the evaluation rather than judge the model.
+_TIMINGS = (
+    "_runtime",
+    "_samples_per_second",
+    "_steps_per_second",
+    "_jit_compilation_time",
+    "_model_preparation_time",
+)
+
+# The callbacks with a run open, closed as failed if the interpreter exits first.
+_OPEN: weakref.WeakSet[StepwatchCallback] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    exc = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(
+            "the process exited while transformers.Trainer.train() was running (the Trainer "
+            "never called on_train_end)"
+        )
+    for callback in list(_OPEN):
+        callback._fail(exc)
+
+
+class StepwatchCallback(TrainerCallback):
+    """Run stepwatch callbacks inside ``transformers.Trainer.train``.
+
+    Args:
+        callbacks: a stepwatch ``Callback`` or a list of them (``RunRecorder``,
+            ``AnomalyMonitor``, ``LossMonitor``, ``ProgressBar``, your own stepwatch
+            ``Callback`` subclasses, ...). They get stepwatch's cb_params: ``cur_step_num``
+            (the optimizer step), ``cur_epoch_num``, ``net_outputs`` (the step's loss),
+            ``outputs`` (the model's output for the last micro-batch, detached) and the rest.
+
+    Raises:
+        TypeError: ``callbacks`` is not a stepwatch Callback or a list of them.
+
+    Attributes:
+        run: the stepwatch run while training (a ``WatchedRun``), else None.
+
+    Example:
+        >>> watch = StepwatchCallback([RunRecorder(db="runs.db"), AnomalyMonitor()])
+        >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[watch])
+        >>> with watch:
+        ...     trainer.train()
+    """
+
+    def __init__(self, callbacks: Any) -> None:
+        super().__init__()
+        self._bridge = Bridge(callbacks, "transformers.StepwatchCallback")
+        self._hook: Any = None
+        self._args: TrainingArguments | None = None
+        self._state: TrainerState | None = None
+        self._model: nn.Module | None = None
+        self._optimizer: Any = None
+        self._scheduler: Any = None
+        # The step being run: each micro-batch's loss, and the last one's outputs and inputs.
+        self._losses: list[torch.Tensor] = []
+        self._missing = False  # a micro-batch gave no loss
+        self._summed = False  # the micro-batches' losses add up (num_items_in_batch)
+        self._current: torch.Tensor | None = None  # the loss the model returned
+        self._recorded: torch.Tensor | None = None  # the loss record_loss handed over
+        self._outputs: Any = None
+        self._inputs: Any = None
+        self._in_step = False
+        self._unfinished: list[Path] = []  # snapshots whose step has not ended yet
+        self._evals: dict[str, float] = {}  # this epoch's evaluation values
+        self._epoch_waits = False  # the epoch ended; its evaluation comes next
+        self._epoch_done = False  # ... and came: further evaluations are stored directly
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """The stepwatch callbacks this bridge runs."""
+        return list(self._bridge.callbacks)
+
+    @property
+    def run(self) -> Any:
+        return self._bridge.run
+
+    # -- what a Trainer with its own loss calls ------------------------------------------------
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Hand over the loss of the current micro-batch, for a Trainer that computes it
+        outside the model (``compute_loss_func``, label smoothing, your own ``compute_loss``).
+
+        Call it in ``compute_loss`` with the micro-batch's loss as a per-batch mean (the tensor
+        you return; it is detached, nothing is read). It replaces what the model returned;
+        the step's loss is the mean over its micro-batches.
+
+        Args:
+            loss: a one-value torch tensor.
+
+        Raises:
+            TypeError: ``loss`` is not a torch tensor. ValueError: it holds more than one value.
+        """
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"record_loss()'s 'loss' must be the micro-batch's loss tensor, but got "
+                f"{_got(loss)}; pass the tensor, not loss.item()."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"record_loss()'s 'loss' must hold one value, but got a tensor of shape "
+                f"{tuple(loss.shape)}; pass the reduced loss (e.g. loss.mean())."
+            )
+        if self._bridge.running and torch.is_grad_enabled():  # not an evaluation's loss
+            self._recorded = loss.detach()
+
+    # -- a failure, where the Trainer has no hook for it ---------------------------------------
+    def __enter__(self) -> StepwatchCallback:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        self._release()
+        self._bridge.end(exc)
+
+    # -- the Trainer's hooks -------------------------------------------------------------------
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._bridge.running:  # a train() that failed outside 'with': store it failed
+            self._fail(RuntimeError("the Trainer started training again before this run ended"))
+        self._args, self._state, self._model = args, state, model
+        self._optimizer, self._scheduler = optimizer, lr_scheduler
+        self._reset_step()
+        self._in_step, self._unfinished = False, []
+        self._evals, self._epoch_waits, self._epoch_done = {}, False, False
+        sharded = bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
+        torch_parts = isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
+        if getattr(args, "n_gpu", 1) > 1:
+            logger.warning(
+                "stepwatch: this Trainer runs %d GPUs in one process (DataParallel); the "
+                "bridge sees the model's loss once per replica. Run one process per GPU "
+                "(torchrun) for exact step losses.",
+                args.n_gpu,
+            )
+        host = Host(
+            name="transformers",
+            network=model,
+            optimizer=optimizer,
+            grads=isinstance(model, nn.Module) and not sharded,
+            restores=torch_parts and not sharded,
+            save=self._save if isinstance(model, nn.Module) else None,
+            config=clean_config(_config(args, model)),
+            rank=int(args.process_index),
+            world=int(args.world_size),
+            # fp16 on a GPU: accelerate's optimizer steps through a GradScaler
+            loss_scaler=getattr(optimizer, "scaler", None),
+        )
+        steps_per_epoch = _steps_per_epoch(args, state, train_dataloader)
+        epochs = max(1, int(state.num_train_epochs or 1))
+        if state.max_steps and state.max_steps > 0:
+            epochs = min(epochs, math.ceil(state.max_steps / steps_per_epoch))
+        atexit.unregister(_close_at_exit)
+        atexit.register(_close_at_exit)  # after RunWriter's own exit handler: runs before it
+        _OPEN.add(self)
+        if isinstance(model, nn.Module):
+            self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
+        try:
+            run = self._bridge.begin(
+                host,
+                epochs=epochs,
+                steps_per_epoch=steps_per_epoch,
+                dataset=train_dataloader,
+                lr_scheduler=lr_scheduler,
+            )
+        except BaseException:
+            self._release()
+            raise
+        if state.global_step > 0:  # resumed from a checkpoint: go on from its step
+            p = run.cb_params
+            p.cur_step_num = p.progress.trained_step = int(state.global_step)
+            p.cur_epoch_num = int(state.global_step) // steps_per_epoch
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        self._reset_step()
+        return self._end_waiting_epoch(control)
+
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._close_micro_batch()
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        bridge = self._bridge
+        if not bridge.running:
+            return control
+        self._close_micro_batch()
+        losses, missing = self._losses, self._missing
+        if missing or not losses:
+            exc = RuntimeError(
+                f"transformers.StepwatchCallback: the model returned no loss in step "
+                f"{state.global_step + 1} (its output holds no 'loss'): this Trainer computes "
+                "the loss outside the model (compute_loss_func, label_smoothing_factor or a "
+                "compute_loss of your own). Call this callback's record_loss(loss) in "
+                "compute_loss, or have the model return {'loss': ...}."
+            )
+            self._fail(exc)
+            raise exc
+        if len(losses) == 1:
+            loss = losses[0]
+        else:
+            stacked = torch.stack(losses)
+            loss = stacked.sum() if self._summed else stacked.mean()
+        run = bridge.run
+        assert run is not None
+        run.cb_params.optimizer_stepped = not getattr(self._optimizer, "step_was_skipped", False)
+        outputs, inputs = self._outputs, self._inputs
+        self._reset_step()
+        self._in_step = True
+        try:
+            stop = bridge.step(loss, outputs, inputs)
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            self._in_step = False
+        if stop:
+            control.should_training_stop = True
+        return control
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        unfinished, self._unfinished = self._unfinished, []
+        for folder in unfinished:
+            try:
+                self._finish_snapshot(folder)
+            except OSError as exc:
+                logger.error("stepwatch: snapshot %s is incomplete: %s", folder, exc)
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        self._epoch_done = False
+        return self._end_waiting_epoch(control)
+
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
+        if not self._bridge.running:
+            return control
+        # The Trainer evaluates after on_epoch_end: the epoch's values wait for on_evaluate.
+        self._epoch_waits = True
+        if control.should_evaluate:
+            return control
+        return self._end_waiting_epoch(control)
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> TrainerControl:
+        run = self._bridge.run
+        if run is None:
+            return control
+        values = host_values(
+            {k: v for k, v in (metrics or {}).items() if k != "epoch" and not k.endswith(_TIMINGS)}
+        )
+        if self._epoch_done:  # a further dataset of the epoch's evaluation
+            sink = run.view.sink
+            for key, value in values.items():
+                if sink is not None:
+                    sink.log(key, value, run.step_num, run.epoch_num)
+            return control
+        self._evals.update(values)
+        return self._end_waiting_epoch(control)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if not self._bridge.running:
+            return
+        self._end_waiting_epoch(control)
+        self.on_step_end(args, state, control)
+        self._release()
+        self._bridge.end()
+
+    # -- the loss, from the model's forward ----------------------------------------------------
+    def _reset_step(self) -> None:
+        self._losses = []
+        self._missing = False
+        self._summed = False
+        self._current = None
+        self._recorded = None
+        self._outputs = None
+        self._inputs = None
+
+    def _forward_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not module.training or not torch.is_grad_enabled() or not self._bridge.running:
+            return  # evaluation, prediction, or outside training
+        self._current = _loss_of(output)
+        # The Trainer's rule: a model given num_items_in_batch normalised the loss over the
+        # whole accumulated batch, so the micro-batches' losses add up to the step's.
+        self._summed = kwargs.get("num_items_in_batch") is not None
+        self._outputs = _detached(output)
+        self._inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"} or args
+
+    def _close_micro_batch(self) -> None:
+        loss = self._recorded if self._recorded is not None else self._current
+        if self._recorded is not None:
+            self._summed = False  # record_loss takes per-batch means
+        if loss is None:
+            self._missing = True
+        else:
+            self._losses.append(loss.mean() if loss.numel() != 1 else loss.reshape(()))
+        self._current = self._recorded = None
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def _end_waiting_epoch(self, control: TrainerControl) -> TrainerControl:
+        if not self._epoch_waits or not self._bridge.running:
+            return control
+        self._epoch_waits, self._epoch_done = False, True
+        values, self._evals = self._evals, {}
+        if self._bridge.epoch_end(values):
+            control.should_training_stop = True
+        return control
+
+    def _release(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        _OPEN.discard(self)
+
+    # -- snapshots: a Trainer checkpoint folder ------------------------------------------------
+    def _save(self, stem: Path) -> Path:
+        """Write the model, the optimizer and the random generators to the folder ``stem``
+        now, and the schedule and trainer state when the step ends (the Trainer steps its
+        scheduler and counts the step after ``on_optimizer_step``)."""
+        model, args = self._model, self._args
+        assert isinstance(model, nn.Module) and args is not None
+        folder = write_checkpoint(Path(stem), model, self._optimizer, args)
+        if self._in_step:
+            self._unfinished.append(folder)
+        else:
+            self._finish_snapshot(folder)
+        return folder
+
+    def _finish_snapshot(self, folder: Path) -> None:
+        if self._scheduler is not None and hasattr(self._scheduler, "state_dict"):
+            torch.save(self._scheduler.state_dict(), folder / "scheduler.pt")
+        if self._state is not None:
+            self._state.save_to_json(str(folder / "trainer_state.json"))
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    """The loss in a model's output, as the Trainer finds it: ``output['loss']`` of a dict
+    (a ``ModelOutput``), else the first item of a tuple."""
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+    elif isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    else:
+        loss = None
+    return loss.detach() if isinstance(loss, torch.Tensor) else None
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, Mapping):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
+    if isinstance(output, (tuple, list)):
+        return type(output)(v.detach() if isinstance(v, torch.Tensor) else v for v in output)
+    return output
+
+
+def _steps_per_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> int:
+    """Optimizer steps per epoch, as the Trainer counts them."""
+    accumulation = max(1, int(args.gradient_accumulation_steps))
+    try:
+        batches = len(loader) if loader is not None else None
+    except TypeError:  # an iterable loader: the Trainer runs max_steps in one "epoch"
+        batches = None
+    if batches:
+        return max(1, math.ceil(batches / accumulation))
+    return max(1, int(state.max_steps or 1))
+
+
+def _config(args: TrainingArguments, model: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"transformers": transformers.__version__, **args.to_dict()}
+    to_dict = getattr(getattr(model, "config", None), "to_dict", None)
+    if callable(to_dict):
+        config["model_config"] = to_dict()
+    return config
