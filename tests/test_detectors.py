@@ -451,7 +451,8 @@ def test_threshold_fires_on_each_crossing_once() -> None:
 def test_registry_names_every_kind() -> None:
     assert set(DETECTORS) == {
         "nonfinite", "spike", "divergence", "plateau", "grad_explosion", "grad_vanishing",
-        "dying_relu", "overfitting", "threshold",
+        "dying_relu", "overfitting", "threshold", "not_learning", "lr_negligible",
+        "recurring_batch", "saturation", "worse_than_chance",
     }  # fmt: skip
     assert all(cls.kind == kind for kind, cls in DETECTORS.items())
 

@@ -17,6 +17,14 @@ __getattr__, __dir__ = lazy_face(
     __name__,
     globals(),
     {"Alert": ".detectors", "Every": ".schedule", "RingBuffer": ".ring"},
-    submodules=("detectors", "epoch_detectors", "layer_detectors", "ring", "schedule", "values"),
+    submodules=(
+        "detectors",
+        "epoch_detectors",
+        "layer_detectors",
+        "learning_detectors",
+        "ring",
+        "schedule",
+        "values",
+    ),
 )
 del TYPE_CHECKING, lazy_face

@@ -23,11 +23,13 @@ import numpy as np
 from .._validation import _got, check_int, check_number
 from ._detector import Alert, Detector, _check_fraction, _check_name
 from .epoch_detectors import Overfitting, Threshold
-from .layer_detectors import DyingReLU, GradVanishing
+from .layer_detectors import DyingReLU, GradVanishing, Saturation
+from .learning_detectors import LrNegligible, NotLearning, RecurringBatch, WorseThanChance
 
 __all__ = [
     "DETECTORS", "Alert", "Detector", "Divergence", "DyingReLU", "GradExplosion", "GradVanishing",
-    "NonFinite", "Overfitting", "Plateau", "Spike", "Threshold",
+    "LrNegligible", "NonFinite", "NotLearning", "Overfitting", "Plateau", "RecurringBatch",
+    "Saturation", "Spike", "Threshold", "WorseThanChance",
 ]  # fmt: skip
 
 
@@ -456,5 +458,8 @@ class Plateau(Detector):
         return self._alert(step, epoch, seen, smooth)
 
 
-_ALL = (NonFinite, Spike, Divergence, Plateau, GradExplosion, GradVanishing, DyingReLU)
+_ALL = (
+    NonFinite, Spike, Divergence, Plateau, NotLearning, LrNegligible, RecurringBatch,
+    GradExplosion, GradVanishing, DyingReLU, Saturation, WorseThanChance,
+)  # fmt: skip
 DETECTORS: dict[str, type[Detector]] = {c.kind: c for c in (*_ALL, Overfitting, Threshold)}

@@ -1,5 +1,6 @@
-"""Detectors over per-layer gradient statistics, sampled every few steps: vanishing gradients
-and dying ReLUs. No PyTorch: they take a sequence of numbers, one per layer."""
+"""Detectors over per-layer statistics, sampled every few steps: vanishing gradients, dying
+ReLUs and saturated tanh/sigmoid units. No PyTorch: they take a sequence of numbers, one per
+layer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from .._validation import _got, check_int
 from ._detector import Alert, Detector, _check_fraction
 
-__all__ = ["DyingReLU", "GradVanishing"]
+__all__ = ["DyingReLU", "GradVanishing", "Saturation"]
 
 
 def _per_layer(name: str, values: Any) -> list[float]:
@@ -116,4 +117,44 @@ class DyingReLU(_PerLayer):
         first = layers[0]
         at = self._layer(first)
         seen = f"dying ReLU: {len(layers)} layer(s) from {at} have {frac[first]:.1%} dead"
+        return self._alert(self._first, epoch, seen, float(frac[first]))
+
+
+class Saturation(_PerLayer):
+    """Fires when some tanh or sigmoid layer has at least ``threshold`` of its outputs at the
+    rails (|tanh| > 0.99; a sigmoid under 0.005 or over 0.995), where their gradient is all
+    but 0, for ``patience`` consecutive samples: the tanh/sigmoid counterpart of a dying ReLU,
+    typically from inputs that are not normalised or too large an initialisation. Clears on
+    a sample where no layer is that saturated.
+
+    Args:
+        threshold: saturated fraction of a saturated layer (default 0.9).
+        patience: consecutive samples (default 3).
+    """
+
+    kind = "saturation"
+    _advice = (
+        "normalise the inputs (zero mean, unit variance), use a smaller initialisation or "
+        "learning rate, or put a normalisation layer before the activation"
+    )
+
+    def __init__(self, threshold: float = 0.9, patience: int = 3) -> None:
+        super().__init__(patience)
+        self.threshold = _check_fraction("threshold", threshold, one=True)
+
+    def update(
+        self, step: int, saturated: Sequence[float], epoch: int | None = None
+    ) -> Alert | None:
+        """``saturated``: the fraction of each tanh/sigmoid layer's outputs at the rails."""
+        frac = _per_layer("saturated", saturated)
+        if frac and not (min(frac) >= 0.0 and max(frac) <= 1.0):
+            raise ValueError(f"saturated fractions must be within [0, 1], but got {frac}.")
+        layers = [i for i, v in enumerate(frac) if v >= self.threshold]
+        if not self._count(bool(layers), step):
+            return None
+        first = layers[0]
+        seen = (
+            f"saturated units: {len(layers)} activation layer(s) from {self._layer(first)} "
+            f"have {frac[first]:.1%} of their outputs at the rails"
+        )
         return self._alert(self._first, epoch, seen, float(frac[first]))

@@ -3,6 +3,7 @@ statistics in one packed tensor, and the snapshot, reduce_lr and rollback action
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..._validation import _got, check_arity, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
@@ -21,8 +23,8 @@ from ..serialization import write_atomic
 from ..state import TrainingState
 
 __all__ = [
-    "ACTIONS", "GradStats", "StateKeeper", "check_actions", "check_snapshot_dir", "reduce_lr",
-    "write_snapshot",
+    "ACTIONS", "ActivationStats", "GradStats", "StateKeeper", "check_actions",
+    "check_snapshot_dir", "classes_of", "reduce_lr", "write_snapshot",
 ]  # fmt: skip
 
 ACTIONS = ("warn", "stop", "snapshot", "reduce_lr", "rollback")
@@ -125,6 +127,72 @@ class GradStats:
         return math.sqrt(sum(v * v for v in norms)), norms, dead
 
 
+class ActivationStats:
+    """The fraction of each tanh/sigmoid module's outputs at the rails (|tanh| > 0.99, a
+    sigmoid within 0.005 of 0 or 1), measured on the device in the forward pass after
+    :meth:`arm` and taken with the gradient statistics: forward hooks exist only between the
+    two, so a step that is not sampled runs no hook. A module used twice keeps its larger
+    fraction. Not for a compiled network (a hook there would recompile it)."""
+
+    def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
+        self.names = [n for n, _ in modules]
+        self.modules = [m for _, m in modules]
+        self._handles: list[Any] = []
+        self._seen: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, network: torch.nn.Module) -> ActivationStats | None:
+        """The statistics of ``network``'s tanh/sigmoid modules; None when it has none."""
+        if hasattr(network, "_orig_mod"):
+            return None
+        found = [(n, m) for n, m in network.named_modules() if isinstance(m, (nn.Tanh, nn.Sigmoid))]
+        return cls(found) if found else None
+
+    def arm(self) -> None:
+        if not self._handles:
+            self._handles = [
+                m.register_forward_hook(functools.partial(self._hook, i))
+                for i, m in enumerate(self.modules)
+            ]
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _hook(self, index: int, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not output.numel():
+            return
+        with torch.no_grad():
+            y = output.detach()
+            if isinstance(module, nn.Sigmoid):
+                y = y * 2.0 - 1.0
+            frac = (y.abs() > 0.99).float().mean()
+            prev = self._seen.get(index)
+            self._seen[index] = frac if prev is None else torch.maximum(prev, frac)
+
+    def take(self, measured: torch.Tensor) -> torch.Tensor:
+        """``measured`` with the fractions appended when every module was seen; the hooks
+        are removed."""
+        self.disarm()
+        seen, self._seen = self._seen, {}
+        if len(seen) < len(self.modules):
+            return measured
+        fractions = torch.stack([seen[i] for i in range(len(self.modules))])
+        return torch.cat((measured, fractions.to(measured.device, measured.dtype)))
+
+
+def classes_of(loss_fn: Any, outputs: Any) -> int | None:
+    """The number of classes of a CrossEntropyLoss/NLLLoss classifier (the outputs' width),
+    or None for another loss or unknown outputs."""
+    if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return None
+    if not isinstance(outputs, torch.Tensor) or outputs.ndim < 2:
+        return None
+    classes = int(outputs.shape[1])
+    return classes if classes >= 2 else None
+
+
 class StateKeeper:
     """Copies of the training state taken every ``every`` steps, for rollback: the newest
     ``keep``, so that one taken before an anomaly's onset is at hand when the anomaly is read a
@@ -177,11 +245,16 @@ def host_restores(view: Any) -> bool:
 
 
 def note_no_gradients(view: Any, detectors: Sequence[Any]) -> None:
-    """Say once, on rank 0, that a host without gradients turns the gradient detectors off."""
+    """Say once, on rank 0, that a host without gradients (nor the network) turns the
+    gradient and activation detectors off."""
     if view.rank == 0:
-        kinds = "/".join(d.kind for d in detectors if d is not None)
+        kinds = "/".join(d.kind for d in detectors if d is not None and d.kind != "saturation")
+        also = any(d is not None and d.kind == "saturation" for d in detectors)
         logger.info(
-            "AnomalyMonitor: %s gives no gradients, so the %s detectors are off", view.host, kinds
+            "AnomalyMonitor: %s gives no gradients, so the %s detectors are off%s",
+            view.host,
+            kinds,
+            " (and saturation, which rides on their sampled steps)" if also else "",
         )
 
 

@@ -25,20 +25,25 @@ from ...monitor.detectors import (
     DyingReLU,
     GradExplosion,
     GradVanishing,
+    LrNegligible,
     NonFinite,
     Overfitting,
     Plateau,
+    Saturation,
     Threshold,
+    WorseThanChance,
 )
 from ...view.run import RunView, view_of
 from ...view.tap import Chunk
 from ..serialization import remove_stale_temporaries
 from ._anomaly_acting import Acting
 from ._anomaly_actions import (
+    ActivationStats,
     GradStats,
     StateKeeper,
     check_actions,
     check_snapshot_dir,
+    classes_of,
     host_restores,
     note_no_gradients,
 )
@@ -53,6 +58,10 @@ _D = TypeVar("_D", bound=Detector)
 # end): an alert is read at most this many steps after its step.
 READ_EVERY = 8
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
+_LOSS_KINDS = frozenset(
+    {"nonfinite", "spike", "divergence", "plateau", "not_learning", "lr_negligible",
+     "recurring_batch"}
+)  # fmt: skip
 
 
 class AnomalyMonitor(Acting, Callback):
@@ -163,7 +172,7 @@ class AnomalyMonitor(Acting, Callback):
         self._step_detectors = [
             d
             for d in self.detectors
-            if d.kind in ("nonfinite", "spike", "divergence", "plateau")
+            if d.kind in _LOSS_KINDS
             or d.kind not in DETECTORS
             or (isinstance(d, Threshold) and d.name in _STEP_NAMES)
         ]
@@ -175,7 +184,13 @@ class AnomalyMonitor(Acting, Callback):
         self._dying = _first(self.detectors, DyingReLU)
         self._overfitting = _first(self.detectors, Overfitting)
         self._plateau = _first(self.detectors, Plateau)
-        self._measures_grads = any((self._explosion, self._vanishing, self._dying))
+        self._lr_low = _first(self.detectors, LrNegligible)
+        self._saturation = _first(self.detectors, Saturation)
+        self._chance = _first(self.detectors, WorseThanChance)
+        # the detectors that judge a loss against ln(classes), with no classes given
+        self._classes_for = [d for d in self.detectors if getattr(d, "classes", 0) is None]
+        layers = (self._explosion, self._vanishing, self._dying, self._saturation)
+        self._measures_grads = any(layers)
         self._grad_nonfinite = NonFinite("gradient norm") if "nonfinite" in kinds else None
         every_action = [self._default_actions, *self._kind_actions.values()]
         self._keeps_state = any("rollback" in actions for actions in every_action)
@@ -210,6 +225,8 @@ class AnomalyMonitor(Acting, Callback):
         self._block: list[Chunk] = []
         self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
+        self._acts: ActivationStats | None = None
+        self._want_classes = False
         keep = min(self.max_rollbacks, 3) + 1
         self._keeper = StateKeeper(self.rollback_every, keep) if self._keeps_state else None
         self._scaled = False
@@ -224,17 +241,29 @@ class AnomalyMonitor(Acting, Callback):
         p = run_context.original_args()
         view = self._view = view_of(p)
         self._rank, self._world = view.rank, view.world
-        if self._measures_grads and p.get("train_network") is not None and view.grads:
-            self._stats = GradStats(p.train_network)
+        network = p.get("train_network")
+        if self._measures_grads and network is not None and view.grads:
+            self._stats = GradStats(network)
             for detector in (self._vanishing, self._dying):
                 if detector is not None:
                     detector.names = self._stats.names
+            if self._saturation is not None:
+                self._acts = ActivationStats.of(network)
+                self._saturation.names = self._acts.names if self._acts else None
         elif self._measures_grads:
-            note_no_gradients(view, [self._explosion, self._vanishing, self._dying])
+            layers = [self._explosion, self._vanishing, self._dying, self._saturation]
+            note_no_gradients(view, layers)
+        total = view.epochs * view.steps_per_epoch
+        for each in self.detectors:
+            if hasattr(each, "total_steps"):
+                each.total_steps = total or None
+            if hasattr(each, "steps_per_epoch"):
+                each.steps_per_epoch = view.steps_per_epoch or None
+        self._want_classes = bool(self._classes_for)
         if not host_restores(view):
             self._keeper = None  # the host cannot be rolled back: 'rollback' stops instead
         optimizer = p.get("optimizer")
-        if self._plateau is not None and optimizer is not None:
+        if (self._plateau or self._lr_low) is not None and optimizer is not None:
             self._groups = optimizer.param_groups
         # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
         self._scaled = p.get("loss_scaler") is not None
@@ -284,12 +313,19 @@ class AnomalyMonitor(Acting, Callback):
             changes = self._lr_changes
             if not changes or changes[-1][1] != lr:
                 changes.append((step, lr))
+        if self._want_classes:
+            self._find_classes(p)
         stats = self._stats
         if stats is not None and step >= self._grad_due and p.get("optimizer_stepped", True):
             measured = stats.measure()
             if measured is not None:
                 self._grad_due = step + self.grad_every_n_steps
+                acts = self._acts
+                if acts is not None:  # the saturated fractions of this step's forward pass
+                    measured = acts.take(measured)
                 self._ship_grads(step, p.cur_epoch_num, measured)
+        if self._acts is not None and step + 1 >= self._grad_due:
+            self._acts.arm()  # hooks for the next forward pass only
         if self._keeper is not None:
             self._keeper.maybe_keep(step, p)
         if self._block and self._block[-1].steps[-1] % READ_EVERY == 0:
@@ -300,7 +336,7 @@ class AnomalyMonitor(Acting, Callback):
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
         self._read_all(run_context)
-        if self._overfitting is None and not self._epoch_thresholds:
+        if self._overfitting is None and self._chance is None and not self._epoch_thresholds:
             return
         assert self._view is not None
         values = self._view.numbers()
@@ -308,6 +344,8 @@ class AnomalyMonitor(Acting, Callback):
         step, epoch = p.cur_step_num, p.cur_epoch_num
         found: list[Alert | None] = []
         train, valid = values.get(names.LOSS), values.get(names.EVAL_LOSS)
+        if self._chance is not None and train is not None:
+            found.append(self._chance.update(step, train, epoch=epoch))
         if self._overfitting is not None and train is not None and valid is not None:
             found.append(self._overfitting.update(step, train, valid, epoch=epoch))
         for detector in self._epoch_thresholds:
@@ -333,11 +371,15 @@ class AnomalyMonitor(Acting, Callback):
             )
         if self._view is not None:
             self._view.tap.unsubscribe(self._take)
+        if self._acts is not None:
+            self._acts.disarm()  # no hook left on the network
 
     def __exit__(self, *err: Any) -> None:
         if self._view is not None:
             self._view.tap.unsubscribe(self._take)
             self._view = None
+        if self._acts is not None:
+            self._acts.disarm()
         self._inflight.clear()  # no device tensors kept alive after the run
         self._block = []
 
@@ -402,15 +444,28 @@ class AnomalyMonitor(Acting, Callback):
         history["step"].extend(steps)
         history["loss"].extend(losses)
         alerts: list[Alert] = []
+        lrs = self._rates(steps) if self._groups is not None else None
+        if self._chance is not None and self._chance.start is None:
+            self._chance.see_start(losses)
         for detector in self._step_detectors:
-            if detector is self._plateau:
-                lrs = self._rates(steps)
-                alerts.extend(self._plateau.update_many(steps, losses, epoch, lrs))
+            if detector is self._plateau or detector is self._lr_low:
+                alerts.extend(detector.update_many(steps, losses, epoch, lrs))
             else:
                 alerts.extend(detector.update_many(steps, losses, epoch))
         if alerts:
             self._grad_due = 0  # trouble in the loss: look at the gradients at once
         return alerts
+
+    def _find_classes(self, p: Any) -> None:
+        """Once the first step's outputs are there: the number of classes of a
+        CrossEntropyLoss/NLLLoss classifier, for the detectors that judge against chance."""
+        outputs = p.get("outputs")
+        if outputs is None and p.cur_step_num < 2:
+            return  # a loop may give outputs from its first step on; else none are given
+        self._want_classes = False
+        classes = classes_of(p.get("loss_fn"), outputs)
+        for detector in self._classes_for:
+            detector.classes = classes  # type: ignore[attr-defined]
 
     def _rates(self, steps: range) -> list[float] | None:
         """The learning rate at each of ``steps`` (from the recorded change points)."""
@@ -427,7 +482,9 @@ class AnomalyMonitor(Acting, Callback):
             ready.synchronize()
         if step <= self._undone or self._stats is None:
             return []
-        total, norms, dead = self._stats.split(host.tolist())
+        values = host.tolist()
+        total, norms, dead = self._stats.split(values)
+        saturated = values[2 * len(norms) :]
         history = self._history
         history["grad_step"].append(step)
         history["grad_norm"].append(total)
@@ -442,6 +499,8 @@ class AnomalyMonitor(Acting, Callback):
                 found.append(self._vanishing.update(step, norms, epoch))
             if self._dying is not None:
                 found.append(self._dying.update(step, dead, epoch=epoch))
+            if self._saturation is not None and saturated:
+                found.append(self._saturation.update(step, saturated, epoch))
         return [a for a in found if a is not None]
 
 
