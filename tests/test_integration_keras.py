@@ -143,7 +143,7 @@ def test_a_keras_fit_is_watched_recorded_and_printed(
     np.testing.assert_allclose(user.grad_norms, model.grad_norms, rtol=1e-5)
     assert user.epochs == [1, 2, 3]
     assert "gives no gradients" not in caplog.text  # the gradient detectors are on
-    assert bridge.stop_reason is None and bridge.run is None
+    assert bridge.stop_reason is None and bridge.run is not None and not bridge.run.stop_kind
     # fit's own methods are back as they were.
     assert "compute_loss" not in model.__dict__
     assert not hasattr(model.train_function, "_stepwatch_wrapped")
@@ -337,7 +337,7 @@ def test_an_error_inside_fit_ends_the_run(
     bridge = StepwatchCallback([recorder])
     with pytest.raises(type(error)):
         _fit(model, [bridge])
-    assert bridge.run is None
+    assert bridge.run is not None and bridge.run.stop_kind is None
     assert "compute_loss" not in model.__dict__  # the bridge's wrappers are off again
     assert not hasattr(model.train_function, "_stepwatch_wrapped")
     with Store(db) as store:

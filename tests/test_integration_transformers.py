@@ -198,7 +198,7 @@ def test_a_trainer_run_is_watched_like_model_train(
     )
     trainer.train()
     computed = _computed(trainer)
-    assert len(computed) == 48 and watch.run is None
+    assert len(computed) == 48 and not watch.running
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.startswith("epoch:")]
     # MindSpore's lines, on the global-step cadence (16 steps an epoch).
@@ -457,7 +457,7 @@ def test_an_exception_inside_train_marks_the_run(
     trainer = _trainer(tmp_path, [watch], {7: error})
     with pytest.raises(type(error)), watch:
         trainer.train()
-    assert watch.run is None
+    assert not watch.running
     with Store(db) as store:
         info = store.run(recorder.run_id)
         assert info.status == status
@@ -473,7 +473,7 @@ def test_a_failed_train_without_with_is_stored_failed_by_the_next_train(tmp_path
     trainer = _trainer(tmp_path, [watch], {3: RuntimeError("bad batch")}, num_train_epochs=1)
     with pytest.raises(RuntimeError, match="bad batch"):
         trainer.train()
-    assert watch.run is not None  # the Trainer has no hook for the error: the run is open
+    assert watch.running  # the Trainer has no hook for the error: the run is open
     trainer.model.poison.clear()  # type: ignore[union-attr]
     trainer.train()  # the next train() stores the first run failed, then records its own
     with Store(db) as store:

@@ -24,7 +24,7 @@ from ..monitor import values as names
 from ..train.callback._callback import normalize_callbacks
 from ..train.watched import WatchedRun
 
-__all__ = ["Bridge", "Host", "HostOptimizer", "clean_config", "host_values"]
+__all__ = ["Bridge", "BridgeFace", "Host", "HostOptimizer", "clean_config", "host_values"]
 
 logger = logging.getLogger("stepwatch")
 
@@ -173,7 +173,8 @@ class Bridge:
     def __init__(self, callbacks: Any, owner: str) -> None:
         self.owner = owner
         self.callbacks = normalize_callbacks(callbacks)
-        self.run: WatchedRun | None = None
+        self.run: WatchedRun | None = None  # the run in progress
+        self.last: WatchedRun | None = None  # the latest run, in progress or ended
 
     @property
     def running(self) -> bool:
@@ -203,7 +204,7 @@ class Bridge:
             host=host,
         )
         run.__enter__()
-        self.run = run
+        self.run = self.last = run
         return run
 
     def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> bool:
@@ -252,3 +253,32 @@ class Bridge:
             run.__exit__(None, None, None)
         else:
             run.__exit__(type(exc), exc, exc.__traceback__)
+
+
+class BridgeFace:
+    """What every bridge's ``StepwatchCallback`` shows its user, over its :class:`Bridge`."""
+
+    _bridge: Bridge
+
+    @property
+    def callbacks(self) -> list[Any]:
+        """The stepwatch callbacks this bridge runs."""
+        return list(self._bridge.callbacks)
+
+    @property
+    def run(self) -> WatchedRun | None:
+        """The stepwatch run of the latest training, in progress or ended (``run.stop_kind``,
+        ``run.rollbacks``, ``run.cb_params``), or None before the first."""
+        return self._bridge.last
+
+    @property
+    def running(self) -> bool:
+        """True while a run is open (the host is training, or failed without telling)."""
+        return self._bridge.running
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why a stepwatch callback stopped the latest training (``'nonfinite at step 20'``),
+        or None."""
+        run = self._bridge.last
+        return run.stop_reason if run is not None else None

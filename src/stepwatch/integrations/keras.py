@@ -97,7 +97,7 @@ import torch
 
 from .._validation import _got
 from ..distributed import rank_and_world
-from ._bridge import Bridge, Host, HostOptimizer, clean_config, host_values
+from ._bridge import Bridge, BridgeFace, Host, HostOptimizer, clean_config, host_values
 
 __all__ = ["ScaledSchedule", "StepwatchCallback"]
 
@@ -276,7 +276,7 @@ class _LossCapture:
         return taken
 
 
-class StepwatchCallback(keras.callbacks.Callback):
+class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
     """Run stepwatch callbacks inside Keras's ``model.fit`` (torch backend).
 
     Args:
@@ -292,8 +292,9 @@ class StepwatchCallback(keras.callbacks.Callback):
             callback among them, or a callback class instead of an instance).
 
     Attributes:
-        run: the stepwatch run while ``fit`` trains (a ``WatchedRun``), else None.
-        last_run: the latest run, kept after ``fit`` returns (``stop_reason``, ...).
+        run: the stepwatch run of the latest ``fit`` (a ``WatchedRun``), in progress or
+            ended, or None before the first.
+        stop_reason: why a stepwatch callback stopped it, or None.
     """
 
     def __init__(self, callbacks: Any) -> None:
@@ -313,21 +314,6 @@ class StepwatchCallback(keras.callbacks.Callback):
         self._rate: _Rate | None = None
         self._wrapped: dict[str, Any] = {}
         self._noted_logs_loss = False
-        self.last_run: Any = None
-
-    @property
-    def callbacks(self) -> list[Any]:
-        """The stepwatch callbacks this bridge runs."""
-        return list(self._bridge.callbacks)
-
-    @property
-    def run(self) -> Any:
-        return self._bridge.run
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the latest run was asked to stop (``'nonfinite at step 20'``), or None."""
-        return self.last_run.stop_reason if self.last_run is not None else None
 
     # -- Keras's hooks -------------------------------------------------------------------------
     def on_train_begin(self, logs: Any = None) -> None:
@@ -377,7 +363,6 @@ class StepwatchCallback(keras.callbacks.Callback):
             self._uninstall()
             raise
         run.cb_params.loss_fn = getattr(model, "loss", None)
-        self.last_run = run
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self._rate is not None:

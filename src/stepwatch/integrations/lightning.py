@@ -111,8 +111,7 @@ from torch import nn
 
 from ..monitor import values as names
 from ..train.serialization import TMP_PREFIX
-from ..train.watched import WatchedRun
-from ._bridge import Bridge, Host, clean_config, host_values
+from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 
 __all__ = ["StepwatchCallback"]
 
@@ -139,7 +138,7 @@ _TRAINER_SETTINGS = (
 )
 
 
-class StepwatchCallback(pl.Callback):
+class StepwatchCallback(BridgeFace, pl.Callback):
     """stepwatch's callbacks in a Lightning ``Trainer``: ``Trainer(callbacks=[StepwatchCallback(
     [LossMonitor(10), AnomalyMonitor(), RunRecorder()])])``.
 
@@ -153,11 +152,16 @@ class StepwatchCallback(pl.Callback):
     Raises:
         TypeError: ``callbacks`` is not a stepwatch Callback or a list of them (a class where
             an instance belongs, a Lightning callback, a number, ...).
+
+    Attributes:
+        run: the stepwatch run of the latest fit (a ``WatchedRun``), in progress or ended, or
+            None before the first fit trains.
+        stop_reason: why a stepwatch callback stopped it, or None.
     """
 
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
-        self.bridge = Bridge(callbacks, _OWNER)
+        self._bridge = Bridge(callbacks, _OWNER)
         self._pending: list[torch.Tensor] = []
         self._seen_step = 0
         self._accumulate = 1
@@ -165,25 +169,6 @@ class StepwatchCallback(pl.Callback):
         self._evals: dict[str, float] = {}
         self._before: dict[str, Any] = {}
         self._warned_no_loss = False
-        self._run: WatchedRun | None = None
-
-    # -- what a user reads -----------------------------------------------------------------------
-    @property
-    def callbacks(self) -> list[Any]:
-        """The stepwatch callbacks this bridge runs."""
-        return list(self.bridge.callbacks)
-
-    @property
-    def run(self) -> WatchedRun | None:
-        """The stepwatch run of the latest fit, in progress or ended (``run.stop_kind``,
-        ``run.rollbacks``, ``run.cb_params``), or None before the first fit trains."""
-        return self._run
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why a stepwatch callback stopped the latest fit (``'nonfinite at step 20'``), or
-        None."""
-        return self._run.stop_reason if self._run is not None else None
 
     # -- Lightning's hooks -----------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -212,7 +197,7 @@ class StepwatchCallback(pl.Callback):
             loss_scaler=getattr(trainer.precision_plugin, "scaler", None),
         )
         loader = trainer.train_dataloader
-        self._run = self.bridge.begin(
+        self._bridge.begin(
             host,
             epochs=_epochs(trainer, steps_per_epoch),
             steps_per_epoch=steps_per_epoch,
@@ -234,7 +219,7 @@ class StepwatchCallback(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self.bridge.running:
+        if not self._bridge.running:
             return
         loss = _loss_of(outputs)
         if loss is not None:
@@ -247,17 +232,17 @@ class StepwatchCallback(pl.Callback):
         if not pending:
             self._warn_no_loss(step)
             return
-        if self.bridge.step(self._step_loss(pending), outputs, batch):
+        if self._bridge.step(self._step_loss(pending), outputs, batch):
             self._stop(trainer)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.sanity_checking or not self.bridge.running:
+        if trainer.sanity_checking or not self._bridge.running:
             return
         values = host_values(_epoch_metrics(trainer.callback_metrics))
         self._evals = {k: v for k, v in values.items() if k.startswith(_EVAL)}
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.bridge.running:
+        if not self._bridge.running:
             return
         before = self._before
         metrics = trainer.callback_metrics
@@ -269,7 +254,7 @@ class StepwatchCallback(pl.Callback):
         }
         values.update(self._evals)
         self._evals = {}
-        if self.bridge.epoch_end(values):
+        if self._bridge.epoch_end(values):
             self._stop(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -297,10 +282,10 @@ class StepwatchCallback(pl.Callback):
         trainer.should_stop = True
 
     def _end(self, exc: BaseException | None) -> None:
-        if not self.bridge.running:
+        if not self._bridge.running:
             return
         self._pending = []
-        self.bridge.end(exc)
+        self._bridge.end(exc)
 
     def _warn_no_loss(self, step: int) -> None:
         if self._warned_no_loss:
@@ -315,7 +300,7 @@ class StepwatchCallback(pl.Callback):
         )
 
     def __repr__(self) -> str:
-        inner = ", ".join(type(cb).__name__ for cb in self.bridge.callbacks)
+        inner = ", ".join(type(cb).__name__ for cb in self._bridge.callbacks)
         return f"StepwatchCallback([{inner}])"
 
 

@@ -59,14 +59,14 @@ import numpy as np
 import torch
 
 from ..monitor import values as names
-from ._bridge import Bridge, Host, HostOptimizer, clean_config
+from ._bridge import Bridge, BridgeFace, Host, HostOptimizer, clean_config
 
 __all__ = ["StepwatchCallback"]
 
 logger = logging.getLogger("stepwatch")
 
 
-class StepwatchCallback(mindspore.train.Callback):
+class StepwatchCallback(BridgeFace, mindspore.train.Callback):
     """Run stepwatch callbacks inside MindSpore's ``Model.train`` and ``Model.fit``.
 
     Args:
@@ -80,22 +80,14 @@ class StepwatchCallback(mindspore.train.Callback):
         TypeError: ``callbacks`` is not a stepwatch Callback or a list of them.
 
     Attributes:
-        run: the stepwatch run while training (a ``WatchedRun``), else None.
+        run: the stepwatch run of the latest training (a ``WatchedRun``), or None.
+        stop_reason: why a stepwatch callback stopped it, or None.
     """
 
     def __init__(self, callbacks: Any) -> None:
         super().__init__()
         self._bridge = Bridge(callbacks, "mindspore.StepwatchCallback")
         self._context: Any = None
-
-    @property
-    def callbacks(self) -> list[Any]:
-        """The stepwatch callbacks this bridge runs."""
-        return list(self._bridge.callbacks)
-
-    @property
-    def run(self) -> Any:
-        return self._bridge.run
 
     # -- MindSpore's hooks ---------------------------------------------------------------------
     def on_train_begin(self, run_context: Any) -> None:

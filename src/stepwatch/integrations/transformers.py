@@ -91,7 +91,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .._validation import _got
-from ._bridge import Bridge, Host, clean_config, host_values
+from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 from ._transformers_checkpoint import write_checkpoint
 
 __all__ = ["StepwatchCallback"]
@@ -122,7 +122,7 @@ def _close_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
         callback._fail(exc)
 
 
-class StepwatchCallback(TrainerCallback):
+class StepwatchCallback(BridgeFace, TrainerCallback):
     """Run stepwatch callbacks inside ``transformers.Trainer.train``.
 
     Args:
@@ -167,15 +167,6 @@ class StepwatchCallback(TrainerCallback):
         self._evals: dict[str, float] = {}  # this epoch's evaluation values
         self._epoch_waits = False  # the epoch ended; its evaluation comes next
         self._epoch_done = False  # ... and came: further evaluations are stored directly
-
-    @property
-    def callbacks(self) -> list[Any]:
-        """The stepwatch callbacks this bridge runs."""
-        return list(self._bridge.callbacks)
-
-    @property
-    def run(self) -> Any:
-        return self._bridge.run
 
     # -- what a Trainer with its own loss calls ------------------------------------------------
     def record_loss(self, loss: torch.Tensor) -> None:
