@@ -41,6 +41,11 @@ GOALS: dict[str, tuple[int, str]] = {
     "grad_vanishing": (100, "steps"),
     "plateau": (700, "steps"),
     "overfitting": (4, "evals"),
+    "not_learning": (400, "steps"),
+    "lr_negligible": (400, "steps"),
+    "saturation": (100, "steps"),
+    "worse_than_chance": (600, "steps"),
+    "recurring_batch": (400, "steps"),
 }
 
 
@@ -118,8 +123,8 @@ def _cnn() -> nn.Module:
     )  # fmt: skip
 
 
-def _ds(data: Any, batch: int) -> Any:
-    return sw.NumpySlicesDataset(data, shuffle=True).batch(batch)
+def _ds(data: Any, batch: int, shuffle: bool = True) -> Any:
+    return sw.NumpySlicesDataset(data, shuffle=shuffle).batch(batch)
 
 
 def _warmup_cosine(optimizer: Any, warmup: int, total: int) -> Any:
@@ -142,6 +147,22 @@ class _At(sw.Callback):
         if p.cur_step_num == self.step:
             with torch.no_grad():
                 self.fn(p)
+
+
+class _BadBatch:
+    """Batches of ``dataset``; the ``at``-th batch of every epoch has its labels scrambled (the
+    same bad shard each epoch): its loss is a few times its neighbours'."""
+
+    def __init__(self, dataset: Any, at: int, seed: int) -> None:
+        self.dataset, self.at = dataset, at
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Any:
+        for i, (x, y) in enumerate(self.dataset, 1):
+            yield (x, (y + 1 + i % 3) % 4) if i == self.at else (x, y)
 
 
 class _Corrupt:
@@ -176,7 +197,7 @@ def _run(
     return {
         "network": net, "loss": loss or nn.CrossEntropyLoss(), "optimizer": optimizer,
         "data": data, "valid": valid, "epochs": epochs, "schedule": sched,
-        "inject": inject or [], "seed": seed,
+        "inject": inject or [], "seed": seed, "interval": "step",
     }  # fmt: skip
 
 
@@ -259,8 +280,61 @@ def _healthy() -> list[Scenario]:
         return _run(_mlp(8, 1, nn.ReLU), data, 12, lr=3e-3, adam=True, loss=nn.MSELoss(),
                     valid=_ds(_regression(256, 8, 15, _t_noise(2.5), sample=1), 64))  # fmt: skip
 
+    def label_smoothing() -> dict[str, Any]:
+        torch.manual_seed(16)
+        loss = nn.CrossEntropyLoss(label_smoothing=0.4)  # a loss floor high above 0
+        return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(2048, 20, 16), 16), 6, lr=0.05, loss=loss)
+
+    def warmup_from_zero() -> dict[str, Any]:
+        torch.manual_seed(17)
+        warm = lambda opt, total: torch.optim.lr_scheduler.LambdaLR(  # noqa: E731
+            opt, lambda step: min(1.0, step / 400)
+        )
+        return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(2048, 20, 17), 16), 6, lr=0.05,
+                    schedule=warm)  # fmt: skip
+
+    def cosine_to_zero() -> dict[str, Any]:
+        torch.manual_seed(18)
+        cosine = lambda opt, total: torch.optim.lr_scheduler.CosineAnnealingLR(  # noqa: E731
+            opt, total, eta_min=0.0
+        )
+        return _run(_mlp(20, 4, nn.Tanh), _ds(_classes(2048, 20, 18), 16), 6, lr=0.05,
+                    schedule=cosine)  # fmt: skip
+
+    def step_decay_valid() -> dict[str, Any]:
+        torch.manual_seed(19)
+        decay = lambda opt, total: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.1)  # noqa: E731
+        run = _run(_mlp(20, 4, nn.ReLU), _ds(_classes(2048, 20, 19), 16), 8, lr=0.05,
+                   schedule=decay, valid=_ds(_classes(256, 20, 19, sample=1), 64))  # fmt: skip
+        run["interval"] = "epoch"  # decays x0.1 every 2 epochs: 1e-3 of its start by epoch 7
+        return run
+
+    def dropout_batch8() -> dict[str, Any]:
+        torch.manual_seed(28)
+        net = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 4))
+        return _run(net, _ds(_classes(2048, 20, 28, noise=0.1), 8), 4, lr=0.02)
+
+    def regression_thousands() -> dict[str, Any]:
+        torch.manual_seed(29)
+        x, y = _regression(2048, 10, 29, lambda g, n: g.standard_normal(n))
+        data = _ds((x, y * 60.0 + 40.0), 16)  # MSE in the thousands at the start
+        return _run(_mlp(10, 1, nn.ReLU), data, 6, lr=1e-2, adam=True, loss=nn.MSELoss())
+
+    def slow_then_sudden() -> dict[str, Any]:
+        torch.manual_seed(30)
+        gen = np.random.default_rng(30)
+        x = gen.standard_normal((2048, 2)).astype(np.float32)
+        y = ((x[:, 0] * x[:, 1]) > 0).astype(np.int64)  # XOR: flat at ln 2, then it clicks
+        net = _mlp(2, 2, nn.Tanh, hidden=16)
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                nn.init.normal_(layer.weight, std=0.1)  # small: ~100 steps at chance
+        return _run(net, _ds((x, y), 16), 6, lr=0.2)
+
     tuning = [relu_sgd_step, tanh_adam_cosine, label_noise, cnn, heavy_tails, tiny_batches]
-    held = [held_gelu_adam, held_laplace, held_cnn_noise, held_deep_tanh, held_batch2, held_t25]
+    held = [held_gelu_adam, held_laplace, held_cnn_noise, held_deep_tanh, held_batch2, held_t25,
+            label_smoothing, warmup_from_zero, cosine_to_zero, step_decay_valid, dropout_batch8,
+            regression_thousands, slow_then_sudden]  # fmt: skip
     return [
         *(Scenario(f.__name__.replace("_", "-"), None, False, 0, f) for f in tuning),
         *(Scenario(f.__name__.replace("_", "-"), None, True, 0, f) for f in held),
@@ -333,7 +407,58 @@ def _faults() -> list[Scenario]:
         return _run(_mlp(20, 4, nn.ReLU, hidden=128), train, 150, lr=3e-3, adam=True,
                     valid=valid)  # fmt: skip
 
+    def shuffled_labels() -> dict[str, Any]:
+        torch.manual_seed(31)
+        x, y = _classes(2048, 20, 31)
+        y = np.random.default_rng(31).permutation(y)  # labels shuffled apart from the inputs
+        return _run(_mlp(20, 4, nn.ReLU), _ds((x, y), 16), 4, lr=0.05)
+
+    def lr_typo() -> dict[str, Any]:
+        torch.manual_seed(32)
+        return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(2048, 20, 32), 16), 4, lr=1e-7)
+
+    def steplr_per_batch() -> dict[str, Any]:
+        torch.manual_seed(33)
+        epoch_schedule = lambda opt, total: torch.optim.lr_scheduler.StepLR(  # noqa: E731
+            opt, 30, gamma=0.1
+        )  # meant as "every 30 epochs", stepped every batch
+        return _run(_mlp(20, 4, nn.ReLU), _ds(_classes(2048, 20, 33), 16), 4, lr=0.05,
+                    schedule=epoch_schedule)  # fmt: skip
+
+    def unnormalised_tanh() -> dict[str, Any]:
+        torch.manual_seed(34)
+        x, y = _classes(2048, 20, 34)
+        return _run(_mlp(20, 4, nn.Tanh), _ds((x * 400.0, y), 16), 4, lr=0.01)
+
+    def sorted_by_class() -> dict[str, Any]:
+        torch.manual_seed(35)
+        x, y = _classes(2048, 20, 35)
+        order = np.argsort(y, kind="stable")  # sorted by class and never shuffled
+        data = _ds((x[order], y[order]), 16, shuffle=False)
+        return _run(_mlp(20, 4, nn.ReLU), data, 6, lr=0.1)
+
+    def softmax_frozen() -> dict[str, Any]:
+        torch.manual_seed(36)
+        body = _mlp(20, 4, nn.ReLU)
+        for param in list(body.parameters())[:-2]:
+            param.requires_grad_(False)  # the body frozen; the head learns through softmax
+        net = nn.Sequential(body, nn.Softmax(dim=1))  # softmax before CrossEntropyLoss
+        run = _run(net, _ds(_classes(2048, 20, 36), 16), 4, lr=0.05)
+        return run
+
+    def bad_batch_every_epoch() -> dict[str, Any]:
+        run = base(37)
+        run["data"] = _BadBatch(_ds(_classes(2048, 20, 37), 16, shuffle=False), at=50, seed=37)
+        return run
+
     return [
+        Scenario("shuffled-labels", "not_learning", onset=1, build=shuffled_labels),
+        Scenario("lr-typo-1e-7", "not_learning", onset=1, build=lr_typo),
+        Scenario("softmax-frozen", "not_learning", onset=1, build=softmax_frozen),
+        Scenario("steplr-per-batch", "lr_negligible", onset=91, build=steplr_per_batch),
+        Scenario("unnormalised-tanh", "saturation", onset=1, build=unnormalised_tanh),
+        Scenario("sorted-by-class", "worse_than_chance", onset=1, build=sorted_by_class),
+        Scenario("bad-batch", "recurring_batch", onset=50, build=bad_batch_every_epoch),
         Scenario("nan", "nonfinite", onset=300, build=nan),
         Scenario("lr-x800", "divergence", onset=400, build=lr_x800),
         Scenario("corrupt-batch", "spike", onset=128 + 40, build=corrupt_batch),
@@ -372,7 +497,7 @@ def run(scenario: Scenario) -> Result:
     model = sw.Model(
         spec["network"], spec["loss"], spec["optimizer"], metrics={"loss"},
         lr_scheduler=spec["schedule"],
-        lr_interval="step" if spec["schedule"] is not None else "epoch",
+        lr_interval=spec["interval"] if spec["schedule"] is not None else "epoch",
     )  # fmt: skip
     callbacks = [*spec["inject"], monitor, evals]
     start = time.perf_counter()

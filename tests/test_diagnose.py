@@ -1,5 +1,9 @@
-"""The labelled scenario suite (bench/diagnose.py) at AnomalyMonitor's defaults: every fault
-found within its goal, no alert at all on either healthy set."""
+"""The labelled scenario suite (bench/diagnose.py) at AnomalyMonitor's defaults, real training
+runs: every fault found within its goal (the bugs that crash nothing among them: shuffled
+labels, an LR typo, an epoch schedule stepped per batch, unnormalised inputs into tanh, data
+sorted by class, softmax before CrossEntropyLoss, a bad batch every epoch), and no alert at all
+on the healthy runs, their look-alikes included (label smoothing, warm-up from 0, cosine to 0,
+step decay, dropout with batch 8, a loss in the thousands, slow-then-sudden learning)."""
 
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ def test_every_fault_is_caught_within_its_goal_and_healthy_runs_stay_quiet(suite
         else:
             assert r.delay is not None, f"{r.scenario.name}: {kind} missed"
             assert 0 <= r.delay <= module.GOALS[kind][0], f"{r.scenario.name}: delay {r.delay}"
-    assert summary["recall"] == "8/8"
+    faults = [r for r in results if r.scenario.expected is not None]
+    assert summary["recall"] == f"{len(faults)}/{len(faults)}" and len(faults) >= 15
     held = [r for r in results if r.scenario.held_out]
-    assert len(held) >= 6 and len(results) - len(held) >= 14
+    assert len(held) >= 13 and len(results) - len(held) >= 21

@@ -217,7 +217,7 @@ class WorseThanChance(Detector):
     sorted by class (never shuffled) does. Clears on an epoch back under the limit.
 
     Args:
-        factor: x the chance or starting level that counts (default 1.5).
+        factor: x the chance or starting level that counts (default 1.25).
         patience: consecutive epochs (default 3: a spike or two that straddle an epoch's end
             can lift two epoch means; a loader sorted by class lifts every one).
         classes: the number of classes, when known (AnomalyMonitor fills it).
@@ -229,7 +229,7 @@ class WorseThanChance(Detector):
         "one-class tasks), check the labels, and lower the learning rate"
     )
 
-    def __init__(self, factor: float = 1.5, patience: int = 3, classes: int | None = None):
+    def __init__(self, factor: float = 1.25, patience: int = 3, classes: int | None = None):
         super().__init__()
         self.factor = check_number("factor", factor, minimum=1.0)
         self.patience = check_int("patience", patience, minimum=1)
