@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.integrations.*",),
     # The package faces re-export everything; only the top may import them.
     ("stepwatch.demo", "stepwatch.amp", "<faces>"),
-    ("stepwatch.cli", "stepwatch._cli_checks", "stepwatch.__main__"),
+    ("stepwatch.cli", "stepwatch._cli_checks", "stepwatch._cli_push", "stepwatch.__main__"),
 ]
 MAX_LINES = 520
 

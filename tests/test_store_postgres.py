@@ -179,12 +179,15 @@ def test_a_server_restarted_mid_run_loses_no_training_and_counts_the_gap(
         thread = threading.Thread(target=restart)
         thread.start()
         try:
-            while after is None or step < after + 500:  # training goes on through the gap
+            # Training goes on through the gap, and on until the writer is back, and then some.
+            while after is None or step < after + 300:
                 step += 1
                 writer.log("loss", float(step), step)
                 time.sleep(0.001)
-                if after is None and restarted.is_set():
+                if after is None and restarted.is_set() and writer._busy_since is None:
                     after = step
+                if step > 100_000:  # bounded: the writer never came back
+                    pytest.fail("the writer did not reconnect after the restart")
         finally:
             thread.join(60)
         assert writer.flush(timeout=30)
@@ -293,3 +296,86 @@ def test_the_dashboard_api_over_postgresql(pg_url: str) -> None:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def _local_store(db: Path) -> RunWriter:
+    """A local store with a finished run ('done': 501 points, 2 events) and a run still
+    recording ('live': 300 points so far); returns the live run's writer."""
+    done = RunWriter(db, name="done", config={"lr": 0.1})
+    done.log_batch("step_loss", range(500), np.linspace(1.0, 0.5, 500), epoch=1)
+    done.log("loss", 0.7, 499, epoch=1)
+    done.event("checkpoint", "saved", 499)
+    done.event("note", "end", 499)
+    done.close()
+    live = RunWriter(db, name="live", flush_seconds=0.05)
+    live.log_batch("step_loss", range(300), np.full(300, 2.0), epoch=1)
+    assert live.flush()
+    return live
+
+
+def test_push_copies_local_runs_once_and_a_live_run_again_later(
+    pg_url: str, tmp_path: Path
+) -> None:
+    db = tmp_path / "runs.db"
+    live = _local_store(db)
+    try:
+        first = run_cli("push", "--db", str(db), "--to", pg_url, timeout=60)
+        assert first.returncode == 0, first.stderr
+        assert "501 new points" in first.stdout and "2 new events" in first.stdout
+        assert "300 new points" in first.stdout and "***" in first.stdout
+        with Store(pg_url) as team, Store(db) as mine:
+            runs = {r.name: r for r in team.runs()}
+            assert {n: r.status for n, r in runs.items()} == {"done": "finished", "live": "running"}
+            done, local_done = runs["done"], mine.run("done")
+            assert team.points(done.id) == mine.points(local_done.id)
+            assert team.events(done.id) == mine.events(local_done.id)
+            assert team.summary(done.id) == mine.summary(local_done.id)
+            assert team.loss_stats(done.id) == mine.loss_stats(local_done.id)
+            assert done.user and done.host == local_done.host and done.config == {"lr": 0.1}
+        again = run_cli("push", "--db", str(db), "--to", pg_url, timeout=60)
+        assert again.returncode == 0 and again.stdout.count("0 new points, 0 new events") == 2
+        live.log_batch("step_loss", range(300, 400), np.full(100, 1.0), epoch=2)
+        assert live.flush()
+    finally:
+        live.close()
+    later = run_cli("push", "--db", str(db), "--to", pg_url, "--run", "live", timeout=60)
+    assert later.returncode == 0 and "100 new points" in later.stdout
+    assert "1 run(s) pushed" in later.stdout
+    with Store(pg_url) as team:
+        run = team.run("live")
+        assert run.status == "finished" and len(team.runs()) == 2
+        steps, _ = team.metrics(run.id, "step_loss")
+        assert steps.tolist() == list(range(400))
+        assert team.summary(run.id)["step_loss"]["count"] == 400  # nothing counted twice
+    bad = run_cli("push", "--db", str(db), "--to", str(tmp_path / "other.db"), timeout=60)
+    assert bad.returncode == 2 and "is not a team store" in bad.stderr
+
+
+def test_runs_filters_by_host_user_and_name_over_postgresql(pg_url: str, tmp_path: Path) -> None:
+    import socket
+
+    from stepwatch.store.backends.postgres_write import current_user
+
+    for name in ("lr=0.1", "lr=0.2", "other"):
+        writer = RunWriter(pg_url, name=name)
+        writer.log("loss", 1.0, 1)
+        writer.close()
+    host, user = socket.gethostname(), current_user()
+    with Store(pg_url) as store:
+        assert [r.name for r in store.runs(name="lr=*", host=host, user=user)] == [
+            "lr=0.1", "lr=0.2"
+        ]  # fmt: skip
+        assert store.runs(user="nobody-" + user) == [] and store.runs(host="no-such-host") == []
+        assert len(store.runs(host=host[:2] + "*")) == 3
+    listed = run_cli("runs", "--db", pg_url, "--user", user, "--name", "lr=", timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert "lr=0.1" in listed.stdout and "other" not in listed.stdout
+    assert f"{user}@{host}" in listed.stdout
+    nobody = run_cli("runs", "--db", pg_url, "--host", "no-such-host", timeout=60)
+    assert nobody.returncode == 0 and "no runs match" in nobody.stdout
+    local = tmp_path / "runs.db"
+    RunWriter(local, name="mine").close()
+    refused = run_cli("runs", "--db", str(local), "--user", user, timeout=60)
+    assert refused.returncode == 2 and "a local store records no users" in refused.stderr
+    shown = run_cli("show", "lr=0.2", "--db", pg_url, timeout=60)
+    assert shown.returncode == 0 and f"(user {user})" in shown.stdout

@@ -32,11 +32,13 @@ def _check_can_create_in(folder: Path, what: str) -> None:
 def check_demo_paths(args: argparse.Namespace) -> None:
     from .store._schema import resolve_path
 
-    db = resolve_path(args.db)
-    if db.exists() and not db.is_file():
-        raise UsageError(f"--db {db} is not a file")
-    _check_can_create_in(db.parent, f"--db {db}")
     checkpoints = Path(args.checkpoint_dir)
+    url = args.db is not None and "://" in str(args.db)  # a store URL: the recorder checks it
+    db = None if url else resolve_path(args.db)
+    if db is not None and db.exists() and not db.is_file():
+        raise UsageError(f"--db {db} is not a file")
+    if db is not None:
+        _check_can_create_in(db.parent, f"--db {db}")
     if checkpoints.exists() and not checkpoints.is_dir():
         raise UsageError(f"--checkpoint-dir {checkpoints} is a file; pass a folder")
     _check_can_create_in(checkpoints, f"--checkpoint-dir {checkpoints}")

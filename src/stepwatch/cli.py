@@ -1,5 +1,6 @@
 """The ``stepwatch`` command: ``demo``, and the run store's ``runs``, ``show``, ``compare``,
-``export``, ``plot``, ``serve`` (the web dashboard) and ``rm``.
+``export``, ``plot``, ``serve`` (the web dashboard), ``rm`` and ``push`` (local runs into a
+team store on PostgreSQL). Every ``--db`` takes a file or a store URL (``postgresql://...``).
 
 The read commands import only the store reader (no PyTorch), so they start in a fraction of a
 second; ``demo`` loads the trainer. Any failure prints one line on stderr and exits with
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 from . import _format as fmt
 from ._cli_checks import UsageError as _UsageError
 from ._cli_checks import check_demo_paths, check_device
+from ._cli_push import cmd_push
 from ._version import __version__
 from .monitor.values import direction
 from .store._schema import STATUSES
@@ -89,7 +91,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument(
-            "--db", default=None, help="database (default $STEPWATCH_DB or ./stepwatch.db)"
+            "--db",
+            default=None,
+            help="the store: a file or postgresql://user@host/db (default $STEPWATCH_DB or "
+            "./stepwatch.db)",
         )
         return p
 
@@ -99,6 +104,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     runs.add_argument("--status", choices=STATUSES, help="runs with this status")
     runs.add_argument("--last", type=_positive_int, metavar="N", help="the newest N runs")
+    runs.add_argument("--host", help="runs recorded on a host whose name contains this (or glob)")
+    runs.add_argument("--user", help="runs of a user whose name contains this (a team store)")
     show = with_db(sub.add_parser("show", help="a run's summary and final metrics"))
     show.add_argument("run", help="run id or name")
     compare = with_db(
@@ -127,6 +134,11 @@ def _build_parser() -> argparse.ArgumentParser:
     rm = with_db(sub.add_parser("rm", help="delete runs (asks first)"))
     rm.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
     rm.add_argument("--yes", "-y", action="store_true", help="do not ask")
+    push = with_db(sub.add_parser("push", help="copy local runs into a team store (PostgreSQL)"))
+    push.add_argument("--to", required=True, metavar="URL", help="postgresql://user@host/db")
+    push.add_argument(
+        "--run", action="append", metavar="RUN", help="a run id or name (repeat; default: all)"
+    )
     return parser
 
 
@@ -138,7 +150,7 @@ def _open_store(db: str | None) -> Store:
         return Store(db)
     except FileNotFoundError as exc:
         raise _UsageError(f"{exc}; train with RunRecorder first or pass --db") from None
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a server store cannot be reached
         raise _UsageError(str(exc)) from None
 
 
@@ -159,6 +171,8 @@ def _loss_cells(loss: LossStats | None) -> tuple[str, str]:
 
 def _runs_table(pairs: list[tuple[RunInfo, LossStats | None]]) -> str:
     header = ["id", "name", "status", "steps", "best loss", "last loss", "duration", "started"]
+    team = any(run.user for run, _ in pairs)  # a team store: who ran it, and where
+    header += ["user@host"] if team else []
     rows = []
     for run, loss in pairs:
         best, last = _loss_cells(loss)
@@ -172,6 +186,7 @@ def _runs_table(pairs: list[tuple[RunInfo, LossStats | None]]) -> str:
                 last,
                 fmt.duration(run.duration),
                 fmt.timestamp(run.started),
+                *([f"{run.user}@{run.host}"] if team else []),
             ]
         )
     text = fmt.table(header, rows)
@@ -182,9 +197,12 @@ def _runs_table(pairs: list[tuple[RunInfo, LossStats | None]]) -> str:
 
 def cmd_runs(args: argparse.Namespace) -> int:
     with _open_store(args.db) as store:
-        pairs = store.runs_summary(name=args.name, status=args.status, last=args.last)
+        try:
+            pairs = store.runs_summary(args.name, args.status, args.last, args.host, args.user)
+        except ValueError as exc:
+            raise _UsageError(str(exc)) from None
         if not pairs:
-            filtered = args.name is not None or args.status is not None
+            filtered = any(x is not None for x in (args.name, args.status, args.host, args.user))
             print(f"no runs{' match' if filtered else ''} in {store.location}")
             return 0
         print(_runs_table(pairs))
@@ -219,7 +237,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"  status    {run.status}")
     print(f"  started   {fmt.timestamp(run.started, with_seconds=True)}")
     print(f"  duration  {fmt.duration(run.duration)}")
-    print(f"  host/pid  {run.host}/{run.pid}")
+    print(f"  host/pid  {run.host}/{run.pid}" + (f" (user {run.user})" if run.user else ""))
     print(f"  steps     {run.steps}")
     if loss is not None:
         kind = "epoch mean" if loss.epoch_mean else "per step"
@@ -456,6 +474,7 @@ COMMANDS = {
     "plot": cmd_plot,
     "serve": cmd_serve,
     "rm": cmd_rm,
+    "push": cmd_push,
 }
 
 

@@ -235,7 +235,7 @@ def check_writable_url(url: str, argname: str = "db") -> None:
 
 
 class Backoff:
-    """When to try a server again: 0.25 s after the first failure, doubling up to 5 s."""
+    """When to try a server again: 0.25 s after the first failure, doubling up to 2 s."""
 
     def __init__(self) -> None:
         self.delay = 0.0
@@ -245,7 +245,7 @@ class Backoff:
         return time.monotonic() >= self.next_try
 
     def failed(self) -> None:
-        self.delay = min(5.0, self.delay * 2 or 0.25)
+        self.delay = min(2.0, self.delay * 2 or 0.25)
         self.next_try = time.monotonic() + self.delay
 
     def succeeded(self) -> None:

@@ -12,7 +12,7 @@ the first value of each step.
 
 A server that cannot be reached raises :class:`~stepwatch.store.base.StoreUnreachable`: the
 writer keeps the records (bounded, then drop-and-count) and the next tries back off from
-0.25 s to 5 s. Nothing here blocks the training thread: all of it runs on the writer's.
+0.25 s to 2 s. Nothing here blocks the training thread: all of it runs on the writer's.
 """
 
 from __future__ import annotations

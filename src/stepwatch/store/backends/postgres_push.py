@@ -1,0 +1,74 @@
+"""``stepwatch push``: copy runs of a local store into a team store on PostgreSQL.
+
+Each run is copied with its points, events and status, in one transaction per run. A run
+remembers where it came from (its host, pid, start time and local id), so pushing it again
+updates the same team run: only the points and events it lacks are added (points are keyed by
+``(run, key, step)``, events by their place in the run), and its status, end and drop count
+are brought up to date. A run still recording locally is pushed up to its last written point
+and shows there as ``running`` as of the push; push it again later for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from .._runs import RunInfo
+from ..base import Store, StoreUnreachable, open_write_backend, parse_location
+from .postgres_write import PostgresWriteBackend, current_user
+
+__all__ = ["Pushed", "push_runs"]
+
+
+class Pushed(NamedTuple):
+    """One run pushed: the local run, its id in the team store, and what was new there."""
+
+    run: RunInfo
+    team_id: int
+    points: int
+    events: int
+
+
+def push_runs(
+    source: str | os.PathLike[str] | None,
+    target: str,
+    runs: Sequence[int | str] | None = None,
+) -> list[Pushed]:
+    """Copy the runs of the store at ``source`` (all, or those named by id or name) into the
+    team store at ``target`` (a ``postgresql://`` URL). Pushing twice copies nothing twice.
+
+    Raises:
+        ValueError: ``target`` is not a PostgreSQL store, or the server refused us.
+        KeyError: a run that ``source`` does not hold.
+        ConnectionError: the server cannot be reached.
+    """
+    found = parse_location(target, "to")
+    if found.kind != "postgresql":
+        raise ValueError(
+            f"'to' {found.shown!r} is not a team store: pass a postgresql://user@host/db URL."
+        )
+    with Store(source) as local:
+        picked = [local.run(ref) for ref in dict.fromkeys(runs)] if runs else local.runs()
+        try:
+            backend = open_write_backend(target)
+        except StoreUnreachable as exc:
+            raise ConnectionError(f"cannot reach the store {found.shown}: {exc}") from None
+        assert isinstance(backend, PostgresWriteBackend)
+        user = current_user()
+        done = []
+        try:
+            for info in picked:
+                origin = f"push/{info.host}/{info.pid}/{info.started!r}/{info.id}"
+                team_id, points, events = backend.push_run(
+                    info._replace(user=info.user or user),
+                    local.points(info.id),
+                    local.events(info.id),
+                    origin,
+                )
+                done.append(Pushed(info, team_id, points, events))
+        except StoreUnreachable as exc:
+            raise ConnectionError(f"lost the store {found.shown}: {exc}") from None
+        finally:
+            backend.close()
+    return done
