@@ -1,13 +1,48 @@
-"""What the bridge tests share: reading a stored run back through the dashboard's JSON API."""
+"""What the tests of loops and bridges share: a seed-style user callback, LossMonitor's lines,
+and a stored run read back through the store and the dashboard's JSON API."""
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import stepwatch
+from stepwatch import Callback
 from stepwatch.dashboard.server import make_server, serve_in_thread
+
+
+class SeedStyle(Callback):
+    """A MindSpore-style user callback, as the seed writes them (old hook names)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, float]] = []
+        self.epochs: list[int] = []
+
+    def step_end(self, run_context: Any) -> None:
+        cb_params = run_context.original_args()
+        loss = cb_params.net_outputs
+        if isinstance(loss, stepwatch.Tensor):
+            loss = loss.asnumpy()
+        self.seen.append((cb_params.cur_step_num, cb_params.cur_epoch_num, float(loss)))
+
+    def epoch_end(self, run_context: Any) -> None:
+        self.epochs.append(run_context.original_args().cur_epoch_num)
+
+
+def assert_loss_monitor_lines(out: str, computed: list[float]) -> None:
+    """``LossMonitor(10)``'s MindSpore lines over 3 epochs of 16 steps: on the global-step
+    cadence, the first with the loss computed at step 10."""
+    lines = [line for line in out.splitlines() if line.startswith("epoch:")]
+    found = [re.match(r"epoch: (\d+) step: (\d+), loss is", line) for line in lines]
+    assert [m.groups() if m else line for m, line in zip(found, lines)] == [
+        ("1", "10"), ("2", "4"), ("2", "14"), ("3", "8"),
+    ]  # fmt: skip
+    assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
 
 
 def api_runs_and_events(db: Path, run_id: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -37,3 +72,31 @@ def api_runs_and_events(db: Path, run_id: int) -> tuple[dict[str, Any], list[dic
     entries = runs["runs"] if isinstance(runs, dict) else runs
     (entry,) = [r for r in entries if r["id"] == run_id]
     return entry, events["events"] if isinstance(events, dict) else events
+
+
+def assert_stopped_for_anomaly(
+    db: Path, run_id: int | None, alert_step: int, last_step: int
+) -> None:
+    """The stored run was stopped by AnomalyMonitor: status ``anomaly``, one ``nonfinite``
+    alert at ``alert_step`` whose action stopped training, a stop event naming it, step losses
+    for steps 1..``last_step`` - and the dashboard's JSON API shows the same."""
+    from stepwatch import Store
+    from stepwatch.monitor import values
+
+    assert run_id is not None
+    with Store(db) as store:
+        info = store.run(run_id)
+        assert info.status == "anomaly"
+        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
+        assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
+            (alert_step, "nonfinite", ["stopping training"])
+        ]
+        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, last_step + 1))
+    entry, events = api_runs_and_events(db, run_id)
+    assert entry["status"] == "anomaly" and entry["steps"] == last_step
+    assert [(e["step"], e["data"]["kind"]) for e in events if e["kind"] == "alert"] == [
+        (alert_step, "nonfinite")
+    ]
+    assert any(
+        e["kind"] == "stop" and f"nonfinite at step {alert_step}" in e["message"] for e in events
+    )

@@ -7,7 +7,6 @@ import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,6 @@ import torch
 
 from stepwatch import (
     AnomalyMonitor,
-    Callback,
     LossMonitor,
     ProgressBar,
     RunRecorder,
@@ -31,7 +29,7 @@ from stepwatch import (
 from stepwatch.integrations.keras import ScaledSchedule, StepwatchCallback
 from stepwatch.monitor import values
 
-from .bridge_support import api_runs_and_events
+from .bridge_support import SeedStyle, assert_loss_monitor_lines, assert_stopped_for_anomaly
 
 BATCH = 4
 STEPS = 16  # batches per epoch: 64 samples, 4 a batch
@@ -96,23 +94,19 @@ def _fit(model: Any, callbacks: list[Any], epochs: int = 3, **kwargs: Any) -> An
                      callbacks=callbacks, **kwargs)  # fmt: skip
 
 
-class SeedStyle(Callback):
-    """A MindSpore-style user callback, as the seed writes them; it also reads the gradients
-    on cb_params.network when a step ends."""
+class GradReader(SeedStyle):
+    """The seed-style callback, also reading the gradients on cb_params.network when a step
+    ends."""
 
     def __init__(self) -> None:
-        self.seen: list[tuple[int, int, float]] = []
-        self.epochs: list[int] = []
+        super().__init__()
         self.grad_norms: list[float] = []
 
     def step_end(self, run_context: Any) -> None:
+        super().step_end(run_context)
         p = run_context.original_args()
-        self.seen.append((p.cur_step_num, p.cur_epoch_num, float(p.net_outputs.asnumpy())))
         grads = [w.grad for _, w in p.network.named_parameters() if w.dim() >= 2]
         self.grad_norms.append(float(torch.sqrt(sum(g.pow(2).sum() for g in grads))))
-
-    def epoch_end(self, run_context: Any) -> None:
-        self.epochs.append(run_context.original_args().cur_epoch_num)
 
 
 def test_a_keras_fit_is_watched_recorded_and_printed(
@@ -120,7 +114,7 @@ def test_a_keras_fit_is_watched_recorded_and_printed(
 ) -> None:
     keras.utils.set_random_seed(0)
     db = tmp_path / "runs.db"
-    recorder, user = RunRecorder(db=db, run_name="keras"), SeedStyle()
+    recorder, user = RunRecorder(db=db, run_name="keras"), GradReader()
     model = _compiled(RecordingModel())
     bridge = StepwatchCallback([recorder, AnomalyMonitor(), LossMonitor(10), user])
     x, y = _data()
@@ -129,12 +123,7 @@ def test_a_keras_fit_is_watched_recorded_and_printed(
     computed = model.computed
     assert len(computed) == 3 * STEPS
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("epoch:")]
-    # MindSpore's lines, on the global-step cadence (16 steps an epoch).
-    assert [re.match(r"epoch: (\d+) step: (\d+), loss is", line).groups() for line in lines] == [
-        ("1", "10"), ("2", "4"), ("2", "14"), ("3", "8"),
-    ]  # fmt: skip
-    assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
+    assert_loss_monitor_lines(out, computed)  # MindSpore's lines, 16 steps an epoch
     # The user's callback saw every step, numbered as Model.train numbers them, with the loss
     # the trainer computed and the gradients its backward left on the network.
     assert [s for s, _, _ in user.seen] == list(range(1, 3 * STEPS + 1))
@@ -184,19 +173,7 @@ def test_a_nan_stops_fit_and_the_run_is_an_anomaly_in_the_store_and_dashboard(
     assert bridge.stop_reason == "nonfinite at step 5"
     assert [a.kind for a in monitor.alerts] == ["nonfinite"]
     assert "stopping training" in caplog.text
-    with Store(db) as store:
-        info = store.run(recorder.run_id)
-        assert info.status == "anomaly"
-        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
-        assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
-            (5, "nonfinite", ["stopping training"])
-        ]
-        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, 9))
-    entry, events = api_runs_and_events(db, recorder.run_id)
-    assert entry["status"] == "anomaly"
-    assert [(e["step"], e["data"]["kind"]) for e in events if e["kind"] == "alert"] == [
-        (5, "nonfinite")
-    ]
+    assert_stopped_for_anomaly(db, recorder.run_id, alert_step=5, last_step=8)
 
 
 def _spike_weights() -> np.ndarray:

@@ -21,9 +21,10 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from stepwatch import AnomalyMonitor, Callback, LossMonitor, ProgressBar, RunRecorder, Store
-from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.integrations.lightning import StepwatchCallback
 from stepwatch.monitor import values
+
+from .bridge_support import assert_stopped_for_anomaly
 
 pytestmark = [
     # Lightning's own tree helper still builds torch's deprecated LeafSpec.
@@ -272,29 +273,10 @@ def test_a_nan_stops_the_fit_and_the_run_is_an_anomaly_in_the_store_and_dashboar
     assert watch.run is not None and watch.run.stop_kind == "anomaly"
     assert [(a.kind, a.step) for a in monitor.alerts] == [("nonfinite", 20)]
     assert "stopping training" in caplog.text
+    assert_stopped_for_anomaly(db, recorder.run_id, alert_step=20, last_step=24)
     with Store(db) as store:
         info = store.run(recorder.run_id)
-        assert info.status == "anomaly"
-        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
-        assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
-            (20, "nonfinite", ["stopping training"])
-        ]
-        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, 25))
-    server = make_server(db, port=0)
-    thread = serve_in_thread(server)
-    try:
-        (run,) = _get(server, "/api/runs")
-        assert (run["id"], run["name"], run["status"], run["steps"]) == (
-            recorder.run_id, "lit-nan", "anomaly", 24,
-        )  # fmt: skip
-        assert run["config"]["host"] == "lightning"
-        events = _get(server, f"/api/runs/{run['id']}/events")
-        alert = next(e for e in events if e["kind"] == "alert")
-        assert (alert["step"], alert["data"]["kind"]) == (20, "nonfinite")
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+        assert (info.name, info.config["host"]) == ("lit-nan", "lightning")
 
 
 class Weights(Callback):

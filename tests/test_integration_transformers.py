@@ -6,7 +6,6 @@ import http.client
 import io
 import json
 import math
-import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,12 +24,13 @@ from transformers import (
     TrainingArguments,
 )
 
-import stepwatch
-from stepwatch import AnomalyMonitor, Callback, LossMonitor, ProgressBar, RunRecorder, Store
+from stepwatch import AnomalyMonitor, LossMonitor, ProgressBar, RunRecorder, Store
 from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.integrations.transformers import StepwatchCallback
 from stepwatch.monitor import values
 from stepwatch.monitor.detectors import Alert, Detector
+
+from .bridge_support import SeedStyle, assert_loss_monitor_lines, assert_stopped_for_anomaly
 
 ROOT = Path(__file__).resolve().parents[1]
 N, BATCH = 64, 4  # 16 optimizer steps an epoch
@@ -85,24 +85,6 @@ class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "labels": self.y[i]}
-
-
-class SeedStyle(Callback):
-    """A MindSpore-style user callback, as the seed writes them."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, int, float]] = []
-        self.epochs: list[int] = []
-
-    def step_end(self, run_context: Any) -> None:
-        cb_params = run_context.original_args()
-        loss = cb_params.net_outputs
-        if isinstance(loss, stepwatch.Tensor):
-            loss = loss.asnumpy()
-        self.seen.append((cb_params.cur_step_num, cb_params.cur_epoch_num, float(loss)))
-
-    def epoch_end(self, run_context: Any) -> None:
-        self.epochs.append(run_context.original_args().cur_epoch_num)
 
 
 class LossAbove(Detector):
@@ -200,12 +182,7 @@ def test_a_trainer_run_is_watched_like_model_train(
     computed = _computed(trainer)
     assert len(computed) == 48 and not watch.running
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("epoch:")]
-    # MindSpore's lines, on the global-step cadence (16 steps an epoch).
-    assert [re.match(r"epoch: (\d+) step: (\d+), loss is", line).groups() for line in lines] == [
-        ("1", "10"), ("2", "4"), ("2", "14"), ("3", "8"),
-    ]  # fmt: skip
-    assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
+    assert_loss_monitor_lines(out, computed)  # MindSpore's lines, 16 steps an epoch
     # The user's callback saw every optimizer step, numbered as Model.train numbers them.
     assert [s for s, _, _ in user.seen] == list(range(1, 49))
     assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
@@ -354,21 +331,9 @@ def test_a_nan_stops_the_trainer_and_the_run_is_an_anomaly_in_store_and_dashboar
     assert trainer.state.global_step == 24 and len(_computed(trainer)) == 24
     assert trainer.control.should_training_stop
     assert [(a.kind, a.step) for a in monitor.alerts] == [("nonfinite", 20)]
+    assert_stopped_for_anomaly(db, recorder.run_id, alert_step=20, last_step=24)
     with Store(db) as store:
-        info = store.run(recorder.run_id)
-        assert info.status == "anomaly"
-        alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
-        assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
-            (20, "nonfinite", ["stopping training"])
-        ]
-        steps, losses = store.metrics(info.id, values.STEP_LOSS)
-        assert steps.tolist() == list(range(1, 25)) and math.isnan(losses[19])
-    server = dashboard(db)
-    runs = _get(server, "/api/runs")
-    assert [(r["name"], r["status"]) for r in runs] == [("nan", "anomaly")]
-    events = _get(server, f"/api/runs/{runs[0]['id']}/events")
-    assert any(e["kind"] == "alert" and e["step"] == 20 for e in events)
-    assert any(e["kind"] == "stop" and "nonfinite at step 20" in e["message"] for e in events)
+        assert math.isnan(store.metrics(recorder.run_id, values.STEP_LOSS)[1][19])
 
 
 def test_reduce_lr_and_snapshot_act_on_the_trainer(tmp_path: Path) -> None:
@@ -482,12 +447,13 @@ def test_a_failed_train_without_with_is_stored_failed_by_the_next_train(tmp_path
 
 FAILING_SCRIPT = """
 import sys
-sys.path.insert(0, {tests!r})
+sys.path.insert(0, {root!r})
 from pathlib import Path
 import torch
-from test_integration_transformers import _trainer
+from tests.test_integration_transformers import _trainer
 from stepwatch import RunRecorder
 from stepwatch.integrations.transformers import StepwatchCallback
+
 
 tmp = Path({tmp!r})
 watch = StepwatchCallback([RunRecorder(db=tmp / "runs.db")])
@@ -496,7 +462,7 @@ _trainer(tmp, [watch], {{3: RuntimeError("bad batch")}}, num_train_epochs=1).tra
 
 
 def test_a_script_that_dies_inside_train_stores_the_run_failed(tmp_path: Path) -> None:
-    script = FAILING_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
+    script = FAILING_SCRIPT.format(root=str(ROOT), tmp=str(tmp_path))
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
         check=False, cwd=tmp_path,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +13,10 @@ import torch
 from torch import nn
 
 import stepwatch
-from stepwatch import AnomalyMonitor, Callback, LossMonitor, RunRecorder, Store
+from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder, Store
 from stepwatch.monitor import values
 
-
-class SeedStyle(Callback):
-    """A MindSpore-style user callback, as the seed writes them (old hook names)."""
-
-    def __init__(self) -> None:
-        self.seen: list[tuple[int, int, float]] = []
-        self.epochs: list[int] = []
-
-    def step_end(self, run_context: Any) -> None:
-        cb_params = run_context.original_args()
-        loss = cb_params.net_outputs
-        if isinstance(loss, stepwatch.Tensor):
-            loss = loss.asnumpy()
-        self.seen.append((cb_params.cur_step_num, cb_params.cur_epoch_num, float(loss)))
-
-    def epoch_end(self, run_context: Any) -> None:
-        self.epochs.append(run_context.original_args().cur_epoch_num)
+from .bridge_support import SeedStyle, assert_loss_monitor_lines
 
 
 def _data(n: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -85,12 +68,7 @@ def test_a_hand_written_loop_is_watched_like_model_train(
     recorder = RunRecorder(db=db, run_name="hand")
     run, computed, *_ = _train(tmp_path, [LossMonitor(10), AnomalyMonitor(), recorder, user], {})
     out = capsys.readouterr().out
-    lines = [line for line in out.splitlines() if line.startswith("epoch:")]
-    # MindSpore's lines, on the global-step cadence (16 steps an epoch).
-    assert [re.match(r"epoch: (\d+) step: (\d+), loss is", line).groups() for line in lines] == [
-        ("1", "10"), ("2", "4"), ("2", "14"), ("3", "8"),
-    ]  # fmt: skip
-    assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
+    assert_loss_monitor_lines(out, computed)  # MindSpore's lines, 16 steps an epoch
     # The user's callback saw every step, numbered as Model.train numbers them.
     assert [s for s, _, _ in user.seen] == list(range(1, 49))
     assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
