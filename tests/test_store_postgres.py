@@ -231,6 +231,9 @@ def test_credentials_from_pgpassword(
     with Store(bare) as store:
         assert [r.name for r in store.runs()] == ["env"]
         assert store.location == bare
+    monkeypatch.setenv("STEPWATCH_DB", bare)  # the default store may be a team store too
+    with Store() as store:
+        assert [r.name for r in store.runs()] == ["env"]
 
 
 def test_a_store_of_a_newer_schema_is_refused_clearly(pg_url: str) -> None:

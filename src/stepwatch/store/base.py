@@ -93,6 +93,8 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
     Raises:
         TypeError: not a str, a path or None. ValueError: a URL of an unknown kind.
     """
+    if location is None and "://" in os.environ.get("STEPWATCH_DB", ""):
+        location = os.environ["STEPWATCH_DB"]  # $STEPWATCH_DB may name a team store too
     if location is None or isinstance(location, os.PathLike) or "://" not in str(location):
         if location is not None and not isinstance(location, (str, os.PathLike)):
             raise TypeError(
