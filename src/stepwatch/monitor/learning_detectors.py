@@ -204,8 +204,8 @@ class LrNegligible(Detector):
         when = f"{step / total:.0%} into the run" if total else "early in the run"
         why = f"the loss level {level:.4g} is still near its start {start:.4g}" if stuck else when
         seen = (
-            f"learning rate negligible: {rate:.3g} is {rate / self._peak:.2g}x its peak "
-            f"{self._peak:.3g} since step {self._since}, and {why}"
+            f"learning rate negligible: under {self.fraction:g}x its peak {self._peak:.3g} since "
+            f"step {self._since} (now {rate:.3g}), and {why}"
         )
         return self._alert(self._since, epoch, seen, rate)
 
