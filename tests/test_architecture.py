@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.export",
         "stepwatch.store.writer",
         "stepwatch.store._records",
+        "stepwatch.store.notify",
+        "stepwatch.store.system",
         "stepwatch.plotting",
         "stepwatch.dashboard.server",
         "stepwatch.dashboard.headless",

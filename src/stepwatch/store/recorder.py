@@ -21,6 +21,8 @@ from ..train.step import scale_tensor
 from ..view.run import RunView, view_of
 from ..view.tap import Chunk
 from .base import check_writable
+from .notify import Notifier, check_notify_url
+from .system import SystemSampler
 from .writer import RunWriter
 
 __all__ = ["RunRecorder"]
@@ -78,7 +80,10 @@ class RunRecorder(Callback):
 
     The run's config holds ``"directions"``: ``{key: "min" | "max"}`` for the epoch keys
     (the metric's declared ``direction``, else the name rule). Events: checkpoints saved, the
-    stop reason, an exception.
+    stop reason, an exception. Every ``system_every`` seconds the writer's thread adds the
+    process's CPU and memory use (and each GPU's, with NVML) under ``system/``
+    (:mod:`stepwatch.store.system`); with ``notify`` every alert and the run's end are posted
+    to a webhook (:mod:`stepwatch.store.notify`).
 
     Args:
         db: the database file (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
@@ -89,6 +94,10 @@ class RunRecorder(Callback):
         transfer_every: copy the pending step losses to the host every this many recorded
             steps (also at each flush period and epoch end).
         flush_seconds: the longest a record waits before it is written to the database.
+        system_every: seconds between system samples (``system/cpu_percent``,
+            ``system/rss_mb``, ...), taken on the writer's thread; None: none.
+        notify: a webhook URL (Slack- and Discord-compatible JSON) that every alert and the
+            run's end are posted to, off the training thread; never stored or logged.
 
     Attributes:
         run_id: the run's id (after training started); ``writer``: its :class:`RunWriter`.
@@ -114,6 +123,8 @@ class RunRecorder(Callback):
         every_n_seconds: float | None = None,
         transfer_every: int = 256,
         flush_seconds: float = 1.0,
+        system_every: float | None = 10.0,
+        notify: str | None = None,
     ) -> None:
         check_writable(db)  # a path, a store URL or None; refused now, not at step 1
         if run_name is not None and not isinstance(run_name, str):
@@ -130,6 +141,12 @@ class RunRecorder(Callback):
             )
         self.transfer_every = check_int("transfer_every", transfer_every, minimum=1)
         self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
+        self.system_every = (
+            None
+            if system_every is None
+            else check_number("system_every", system_every, minimum=0.01)
+        )
+        self.notify = check_notify_url(notify)
         self.writer: RunWriter | None = None
         self._run_id: int | None = None
         # The chunks of step losses (from the run's loss tap) not handed to the writer yet.
@@ -171,7 +188,13 @@ class RunRecorder(Callback):
             config["host"] = view.host
         if view.config:
             config["host_config"] = view.config
-        self.writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
+        writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
+        if self.system_every is not None:
+            writer.system = SystemSampler(self.system_every)
+        if self.notify is not None:
+            writer.notifier = Notifier(self.notify, self.run_name or writer.name)
+            writer.notifier.run_id = writer.run_id
+        self.writer = writer
         self._run_id = self.writer.run_id
         view.sink = self.writer  # the run's store: alerts and other monitors write here too
         self._view = view

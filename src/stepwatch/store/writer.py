@@ -58,6 +58,9 @@ from .base import StoreBusy, StoreUnreachable, WriteBackend, open_write_backend,
 if TYPE_CHECKING:
     import numpy as np
 
+    from .notify import Notifier
+    from .system import SystemSampler
+
 __all__ = ["RunWriter"]
 
 logger = logging.getLogger("stepwatch")
@@ -153,6 +156,12 @@ class RunWriter:
         self._busy = False
         self._busy_since: float | None = None  # when another process locked the store
         self._give_up = False
+        # Set by RunRecorder: the system sampler (every few seconds, on this writer's thread)
+        # and the webhook that alerts and the run's end are posted to.
+        self.system: SystemSampler | None = None
+        self.notifier: Notifier | None = None
+        self.last_step = 0  # the latest step handed over, where system samples are put
+        self._sampled = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="stepwatch-writer", daemon=True)
         self._thread.start()
         _OPEN_WRITERS.add(self)
@@ -243,6 +252,8 @@ class RunWriter:
 
         if not isinstance(steps, range):
             steps = np.array(steps, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse it
+        if n:
+            self.last_step = int(steps[-1])
         if times is not None:
             times = np.array(times, dtype=np.float64)
         if span is None:
@@ -259,11 +270,14 @@ class RunWriter:
         level: str = "info",
         data: dict[str, Any] | None = None,
     ) -> None:
-        """Queue an event (an alert, a note, a checkpoint saved, ...)."""
+        """Queue an event (an alert, a note, a checkpoint saved, ...); an alert also goes to
+        the webhook, when there is one."""
         if self._closed:
             self.dropped += 1
             return
         self._pending.append(_Event(kind, message, step, epoch, level, data))
+        if kind == "alert" and self.notifier is not None:
+            self.notifier.alert(message, step, epoch, data)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until everything queued so far is written; False on timeout."""
@@ -303,6 +317,7 @@ class RunWriter:
             self._report_disk_error(StoreBusy(f"still {why} after {timeout:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
+        self._close_extras(status)
         backend = self._backend
         if backend is None or self.run_id is None:  # the store stayed locked from the start
             logger.warning(
@@ -326,9 +341,31 @@ class RunWriter:
                 self._disk_error or "the writer could not keep up",
             )
 
+    def _close_extras(self, status: str) -> None:
+        """The run's end reaches the webhook; the system sampler lets its libraries go."""
+        if self.system is not None:
+            self.system.close()
+        notifier = self.notifier
+        if notifier is not None:
+            notifier.run_id = self.run_id
+            notifier.end(status, self.last_step or None)
+            notifier.close()
+
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _sample_system(self, now: float) -> None:
+        """Queue a system sample when one is due (writer thread)."""
+        sampler = self.system
+        if sampler is None or now - self._sampled < sampler.every or self.run_id is None:
+            return
+        self._sampled = now
+        if self.notifier is not None:
+            self.notifier.run_id = self.run_id
+        wall, step = time.time(), self.last_step
+        for key, value in sampler.sample().items():
+            self._pending.append((key, step, None, wall, value))
 
     # -- writer thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -358,6 +395,7 @@ class RunWriter:
                 self._unreachable = False
                 logger.info("stepwatch store: %s is free; run %s is recorded", self.location,
                             self.run_id)  # fmt: skip
+            self._sample_system(now)
             if closing or woken or now - last >= self.flush_seconds:
                 self._write_pending()
                 last = now
