@@ -38,17 +38,22 @@ class _Levels:
         self.first: list[float] = []
         self.recent: deque[float] = deque(maxlen=window)
         self.seen = 0
+        self._start = math.nan
 
     def add(self, values: Sequence[float]) -> None:
-        finite = [v for v in values if math.isfinite(v)]
-        room = (self.recent.maxlen or 0) - len(self.first)
-        if room > 0:
-            self.first.extend(finite[:room])
+        finite = values if math.isfinite(sum(values)) else [v for v in values if math.isfinite(v)]
+        if len(self.first) < (self.recent.maxlen or 0):
+            self.first.extend(finite[: (self.recent.maxlen or 0) - len(self.first)])
         self.recent.extend(finite)
         self.seen += len(finite)
 
     def start(self) -> float:
-        return _median(self.first) if self.first else math.nan
+        if not math.isnan(self._start):
+            return self._start
+        start = _median(self.first) if self.first else math.nan
+        if len(self.first) == self.recent.maxlen:
+            self._start = start  # the first window is full: the start no longer moves
+        return start
 
     def level(self) -> float:
         return _median(self.recent) if self.recent else math.nan
@@ -104,7 +109,7 @@ class NotLearning(Detector):
         levels.add(values)
         if levels.seen < self._next or not steps:
             return []
-        self._next = levels.seen + max(1, self.window // 5)  # judged every window/5 steps
+        self._next = levels.seen + self.window // 2  # judged every window/2 steps
         level, start, chance = levels.level(), levels.start(), _chance(self.classes)
         at_chance = chance is not None and level >= (1.0 - self.tolerance) * chance
         flat = level > start - self.min_improvement * abs(start)
@@ -345,11 +350,15 @@ class RecurringBatch(Detector):
                     alert = self._outlier(step, value, epoch)
                     if alert is not None:
                         found.append(alert)
-        self._steps += len(values)
+        n = len(values)
+        self._steps += n
+        self._since += n
+        if math.isfinite(sum(values)):
+            self._recent.extend(values)
+        else:
+            self._recent.extend(v for v in values if math.isfinite(v))
         recent = self._recent
-        recent.extend(v for v in values if math.isfinite(v))
-        self._since += len(values)
-        if self._since >= 8 and len(recent) == recent.maxlen:
+        if self._since >= self.window // 2 and len(recent) == recent.maxlen:
             self._since = 0
             median = self._median = _median(recent)
             self._floor = max(self._floor, self.min_jump * abs(median))
