@@ -153,3 +153,68 @@ def test_a_path_that_cannot_be_written_is_refused_at_construction(tmp_path: Path
     blocker.write_text("")
     with pytest.raises(ValueError, match="cannot be written"):
         PlotMonitor(blocker / "curves.png")
+
+
+def _bbox(artist: object, figure: object) -> object:
+    return artist.get_window_extent(figure.canvas.get_renderer())  # type: ignore[attr-defined]
+
+
+def test_pngs_pick_log_y_keep_the_legend_off_the_data_and_mark_alerts() -> None:
+    from stepwatch.plotting import draw, y_scale
+
+    steps = list(range(1, 201))
+    spiky = [1.0 / s for s in steps]  # 1 .. 0.005: a loss that falls over decades
+    spiky[120] = 400.0
+    runs = [
+        ("1:base", {"step_loss": (steps, spiky), "eval_loss": ([100, 200], [0.02, 0.01])}),
+        ("2:other", {"step_loss": (steps, [0.5] * 200), "lr": ([1, 200], [0.1, 0.1])}),
+    ]
+    figure = draw(runs, alerts=[[(121, "spike")], []])
+    loss, lr = figure.axes
+    assert (loss.get_title(), lr.get_title()) == ("loss", "learning rate")
+    # The loss spans five decades: log y; the flat learning rate stays linear.
+    assert loss.get_yscale() == "log" and lr.get_yscale() == "linear"
+    assert y_scale([[0.0, 5.0, 1e4]]) == "linear"  # a zero has no logarithm
+    # One legend entry per run (its colour), then one per key (its line style): 4, not 2 x 2.
+    legend = loss.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "1:base", "2:other", "eval_loss", "step_loss",
+    ]  # fmt: skip
+    figure.canvas.draw()
+    # The legend sits beside the chart, not over its data.
+    assert _bbox(legend, figure).x0 >= _bbox(loss, figure).x1  # type: ignore[attr-defined]
+    # The alert is a dotted line at its step, named at the top of the chart.
+    marks = [line for line in loss.get_lines() if line.get_linestyle() == ":"]
+    assert len(marks) == 1 and list(marks[0].get_xdata()) == [121, 121]
+    assert "spike" in [t.get_text().strip() for t in loss.texts]
+
+
+def test_pngs_name_the_charts_they_left_out() -> None:
+    from stepwatch.plotting import MAX_PANELS, draw
+
+    curves = {f"metric_{i:02d}": ([1, 2], [float(i), float(i) + 1]) for i in range(12)}
+    figure = draw([("1:many", curves)])
+    assert len(figure.axes) == MAX_PANELS
+    (note,) = figure.texts
+    assert note.get_text() == (
+        "3 more charts not drawn: metric_09, metric_10, metric_11 (stepwatch serve shows them all)"
+    )
+
+
+def test_the_plot_command_marks_the_runs_alerts(tmp_path: Path) -> None:
+    from stepwatch import RunWriter
+    from stepwatch.plotting import alerts_from_store, curves_from_store
+    from stepwatch.store import Store
+
+    db = tmp_path / "runs.db"
+    writer = RunWriter(db, name="alerted")
+    for step in range(1, 40):
+        writer.log("step_loss", 1.0 if step != 20 else 50.0, step)
+    writer.event("alert", "loss jumped to 50", 20, 1, level="warning", data={"kind": "spike"})
+    writer.close()
+    with Store(db) as store:
+        assert alerts_from_store(store, ["alerted"]) == [[(20, "spike")]]
+        assert curves_from_store(store, ["alerted"])[0][1]["step_loss"][0][19] == 20
+    out = tmp_path / "alerted.png"
+    assert main(["plot", "alerted", "--out", str(out), "--db", str(db)]) == 0
+    assert _png_size(out)[0] > 500

@@ -339,7 +339,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from .plotting import MAX_PANELS, all_panels, curves_from_store, write_png
+    from .plotting import MAX_PANELS, alerts_from_store, all_panels, curves_from_store, write_png
 
     if args.max_points < 2:
         raise _UsageError("--max-points must be at least 2")
@@ -351,8 +351,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
     with _open_store(args.db) as store:
         runs = [_run(store, ref).id for ref in dict.fromkeys(args.runs)]
         curves = curves_from_store(store, runs, max_points=args.max_points)
+        alerts = alerts_from_store(store, runs)
     try:
-        path = write_png(curves, args.out)
+        path = write_png(curves, args.out, alerts=alerts)
     except ImportError as exc:
         raise _UsageError(str(exc)) from None
     except OSError as exc:
