@@ -6,6 +6,7 @@ import hashlib
 import http.client
 import json
 import math
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,7 @@ def test_panels_say_which_chart_each_key_goes_in(served: tuple[DashboardServer, 
             "step_loss": "loss",
         },
         "order": ["loss", "accuracy", "precision"],
+        "groups": {},
     }
 
 
@@ -300,3 +302,61 @@ def test_integers_beyond_64_bits_are_a_400(served: tuple[DashboardServer, Path],
 
 def test_the_listen_backlog_holds_many_clients(served: tuple[DashboardServer, Path]) -> None:
     assert served[0].request_queue_size >= 128
+
+
+def test_runs_say_where_they_ran(served: tuple[DashboardServer, Path]) -> None:
+    server, _ = served
+    runs = _get(server, "/api/runs")[1]
+    assert {(r["host"], r["user"]) for r in runs} == {(socket.gethostname(), "")}
+
+
+def test_band_keeps_a_spike_around_a_calm_line(served: tuple[DashboardServer, Path]) -> None:
+    server, _ = served
+    status, data, _ = _get(server, "/api/runs/1/metrics/step_loss?max_points=2000&band=500")
+    assert status == 200
+    n = len(data["steps"])
+    assert 400 <= n <= 500 and len(data["values"]) == len(data["lo"]) == len(data["hi"]) == n
+    assert data["steps"] == sorted(data["steps"])
+    # The spike is the top of its bucket's band; the line (each bucket's median) stays calm.
+    top = data["hi"].index(max(data["hi"]))
+    assert data["hi"][top] == 50.0 and max(data["values"]) < 2.01
+    assert abs(data["steps"][top] - SPIKE_STEP) < N_POINTS / 400
+    assert all(lo <= v <= hi for lo, v, hi in zip(data["lo"], data["values"], data["hi"]))
+    # Fewer points than buckets: every point as it is, its band of zero width.
+    few = _get(server, "/api/runs/2/metrics/step_loss?band=500")[1]
+    assert few["values"] == few["lo"] == few["hi"] == [1.0 / s for s in range(1, 11)]
+    assert _get(server, "/api/runs/1/metrics/eval_accuracy?band=4")[1]["lo"] == [None]
+    assert _get(server, "/api/runs/1/metrics/step_loss?band=1")[0] == 400
+
+
+def test_clock_and_system_group_and_anomaly_status(tmp_path: Path) -> None:
+    db = tmp_path / "clock.db"
+    writer = RunWriter(db, name="timed")
+    start = 1_700_000_000.0
+    for epoch in (1, 2):
+        steps = range(10 * epoch - 9, 10 * epoch + 1)
+        writer.log_batch("step_loss", steps, [1.0] * 10, epoch, times=[start + s for s in steps])
+    writer.log("system/cpu_percent", 40.0, 10)
+    writer.log("system/gpu_mem_mb", 900.0, 10)
+    writer.close("anomaly")
+    server = make_server(db, port=0)
+    thread = serve_in_thread(server)
+    try:
+        clock = _get(server, "/api/runs/1/clock")[1]
+        assert clock["steps"] == list(range(1, 21))
+        assert clock["time"] == [start + s for s in range(1, 21)]
+        assert clock["epoch"][0] == pytest.approx(0.1)
+        assert clock["epoch"][9] == 1.0 and clock["epoch"][19] == 2.0
+        assert _get(server, "/api/runs/1/clock")[1] == clock  # cached: the run has ended
+        panels = _get(server, "/api/runs/1/panels")[1]
+        assert panels["order"] == ["loss", "system/cpu_percent", "system/gpu_mem_mb"]
+        assert panels["groups"] == {
+            "system/cpu_percent": "system",
+            "system/gpu_mem_mb": "system",
+        }
+        assert _get(server, "/api/runs")[1][0]["status"] == "anomaly"
+        assert _get(server, "/api/runs/9/clock")[0] == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -9,12 +9,19 @@ API (every answer is JSON; non-finite numbers are ``null``):
 
 * ``GET /api/runs`` - the runs, oldest first: ``id``, ``name``, ``status`` (a dead
   ``running`` run is ``crashed``), ``started``, ``ended``, ``duration``, ``steps``,
-  ``loss_key``, ``last_loss``, ``best_loss``, ``config``.
+  ``loss_key``, ``last_loss``, ``best_loss``, ``config``, ``host``, ``user``.
 * ``GET /api/runs/{id}/keys`` - the metric keys of a run.
-* ``GET /api/runs/{id}/panels`` - ``{"panels": {key: chart}, "order": [chart, ...]}``: which
-  chart each key is drawn in, and the charts' order.
-* ``GET /api/runs/{id}/metrics/{key}?max_points=N&after=STEP&start=S&end=E`` -
-  ``{"steps": [...], "values": [...]}``, min/max-downsampled to at most ``max_points``.
+* ``GET /api/runs/{id}/panels`` - ``{"panels": {key: chart}, "order": [chart, ...],
+  "groups": {chart: group}}``: which chart each key is drawn in, the charts' order, and the
+  charts drawn apart (every ``system/*`` key is a chart of the ``system`` group).
+* ``GET /api/runs/{id}/metrics/{key}?max_points=N&after=STEP&start=S&end=E&band=B`` -
+  ``{"steps": [...], "values": [...]}``, min/max-downsampled to at most ``max_points``. With
+  ``band=B`` and more than ``B`` points, consecutive points are grouped into ``B`` buckets:
+  ``values`` is each bucket's median, and ``lo``/``hi`` (always there with ``band``) its
+  smallest and largest value, so a one-step spike stays visible around a calm line.
+* ``GET /api/runs/{id}/clock`` - ``{"steps", "time", "epoch"}``: up to 2,000 anchors read
+  from the points' own wall times and epochs (``epoch`` is fractional: ``e`` at the last step
+  of epoch ``e``), for drawing against time or epoch.
 * ``GET /api/runs/{id}/events`` - checkpoints, stop reasons, alerts.
 * ``GET /api/runs/{id}/summary`` - per key: ``last``, ``min``, ``max``, ``count``,
   ``last_step``.
@@ -32,7 +39,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -54,7 +61,9 @@ __all__ = [
 
 STATIC = Path(__file__).resolve().parent / "static"
 VENDOR_FILES = ("vendor/uPlot.iife.min.js", "vendor/uPlot.min.css")
-_METRIC_PARAMS = ("max_points", "after", "start", "end")
+_METRIC_PARAMS = ("max_points", "after", "start", "end", "band")
+SYSTEM = "system/"  # the prefix of the recorder's system metrics: a group of their own
+_CLOCK_POINTS = 2000
 
 
 class _HTTPError(Exception):
@@ -94,6 +103,8 @@ class _Api:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._lock = threading.Lock()
+        self._clocks: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     def runs(self) -> list[dict[str, Any]]:
         out = []
@@ -111,6 +122,8 @@ class _Api:
                     "last_loss": loss.last if loss else None,
                     "best_loss": loss.min if loss else None,
                     "config": run.config,
+                    "host": run.host,
+                    "user": run.user,
                 }
             )
         return out
@@ -122,8 +135,27 @@ class _Api:
         """Which chart each key of the run goes in, and the charts' order (the one rule,
         :func:`stepwatch.monitor.values.panel_of`, that the PNG plots use too)."""
         keys = self.store.keys(run)
-        panels = {key: names.panel_of(key) for key in keys}
-        return {"panels": panels, "order": sorted(set(panels.values()), key=names.panel_order)}
+        panels = {key: key if key.startswith(SYSTEM) else names.panel_of(key) for key in keys}
+        groups = {p: "system" for p in panels.values() if p.startswith(SYSTEM)}
+        order = sorted(set(panels.values()), key=lambda p: (p in groups, names.panel_order(p)))
+        return {"panels": panels, "order": order, "groups": groups}
+
+    def clock(self, run: int) -> dict[str, Any]:
+        """Step -> wall time and fractional epoch, from the points' own columns; cached for
+        a run that has ended (a live run's clock is read again: it grows)."""
+        info = self.store.run(run)
+        mark = (info.steps, info.status, info.ended)
+        with self._lock:
+            held = self._clocks.get(run)
+        if held is not None and held[0] == mark:
+            return held[1]
+        answer = _clock(self.store.points(run))
+        with self._lock:
+            if len(self._clocks) >= 64:
+                self._clocks.pop(next(iter(self._clocks)))
+            if info.ended is not None:
+                self._clocks[run] = (mark, answer)
+        return answer
 
     def events(self, run: int) -> list[dict[str, Any]]:
         return self.store.events(run)
@@ -132,8 +164,64 @@ class _Api:
         return self.store.summary(run)
 
     def metrics(self, run: int, key: str, params: dict[str, int | None]) -> dict[str, Any]:
+        band = params.pop("band", None)
         steps, values = self.store.metrics(run, key, **params)
+        if band is not None:
+            return _band(steps.tolist(), _finite(values.tolist()), band)
         return {"steps": steps.tolist(), "values": _finite(values.tolist())}
+
+
+def _band(steps: list[int], values: list[float | None], buckets: int) -> dict[str, Any]:
+    """Consecutive points grouped into at most ``buckets``: the median (at the middle point's
+    step) with the smallest and largest value of each group; a group of NaNs keeps a NaN."""
+    size = -(-len(steps) // buckets) if steps else 1
+    if size <= 1:
+        return {"steps": steps, "values": values, "lo": values, "hi": values}
+    out: dict[str, list[Any]] = {"steps": [], "values": [], "lo": [], "hi": []}
+    for first in range(0, len(steps), size):
+        group = sorted(v for v in values[first : first + size] if v is not None)
+        n = len(group)
+        out["steps"].append(steps[first + (min(size, len(steps) - first) - 1) // 2])
+        out["values"].append((group[(n - 1) // 2] + group[n // 2]) / 2 if n else None)
+        out["lo"].append(group[0] if n else None)
+        out["hi"].append(group[-1] if n else None)
+    return out
+
+
+def _clock(points: list[tuple[str, int, int | None, float, float]]) -> dict[str, Any]:
+    """The anchors of :meth:`_Api.clock`: per step its first wall time and its epoch as a
+    fraction (the epoch's first and last steps bound it), thinned to ``_CLOCK_POINTS``."""
+    at: dict[int, list[Any]] = {}
+    for _, step, epoch, stamp, _ in points:
+        held = at.get(step)
+        if held is None:
+            at[step] = [stamp, epoch]
+        elif stamp < held[0]:
+            held[0] = stamp
+        if held is not None and held[1] is None:
+            held[1] = epoch
+    steps = sorted(at)
+    spans: dict[int, list[int]] = {}
+    for step in steps:
+        epoch = at[step][1]
+        if epoch is not None:
+            spans.setdefault(epoch, [step, step])[1] = step
+    keep: Sequence[int] = range(len(steps))
+    if len(steps) > _CLOCK_POINTS:
+        every = len(steps) / (_CLOCK_POINTS - 1)
+        keep = sorted({min(len(steps) - 1, round(i * every)) for i in range(_CLOCK_POINTS)})
+    out: dict[str, list[Any]] = {"steps": [], "time": [], "epoch": []}
+    for i in keep:
+        step = steps[i]
+        stamp, epoch = at[step]
+        out["steps"].append(step)
+        out["time"].append(stamp)
+        if epoch is None:
+            out["epoch"].append(None)
+        else:
+            first, last = spans[epoch]
+            out["epoch"].append(epoch - 1 + (step - first + 1) / (last - first + 1))
+    return out
 
 
 def _int_params(query: str) -> dict[str, int | None]:
@@ -159,7 +247,7 @@ def _int_params(query: str) -> dict[str, int | None]:
                 HTTPStatus.BAD_REQUEST, f"{name!r} must be an integer, but got {text!r}"
             ) from None
         try:
-            check_int(name, number, minimum=2 if name == "max_points" else None)
+            check_int(name, number, minimum=2 if name in ("max_points", "band") else None)
         except ValueError as exc:
             raise _HTTPError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         if not -_INT64 <= number <= _INT64:
@@ -250,6 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "panels": api.panels,
                 "events": api.events,
                 "summary": api.summary,
+                "clock": api.clock,
             }
             handler = handlers.get(segments[2])
             if handler is not None:
