@@ -375,3 +375,18 @@ def test_the_module_puts_keras_on_torch_and_refuses_another_backend(
     monkeypatch.setattr(keras.src.backend.config, "_BACKEND", "jax")
     with pytest.raises(RuntimeError, match="needs Keras on the torch backend, but Keras runs on"):
         StepwatchCallback([])
+
+
+def test_a_second_fit_counts_on_from_kerass_own_step_and_initial_epoch(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    model = _compiled(RecordingModel())
+    _fit(model, [StepwatchCallback([RunRecorder(db=db)])], epochs=1)
+    recorder, user = RunRecorder(db=db), SeedStyle()
+    _fit(model, [StepwatchCallback([recorder, user])], epochs=3, initial_epoch=1)
+    # Keras's optimizer had taken 16 steps; fit(initial_epoch=1) trains epochs 2 and 3.
+    assert [s for s, _, _ in user.seen] == list(range(STEPS + 1, 3 * STEPS + 1))
+    assert sorted({e for _, e, _ in user.seen}) == [2, 3]
+    with Store(db) as store:
+        steps, _ = store.metrics(recorder.run_id, values.STEP_LOSS)
+        assert steps.tolist() == list(range(STEPS + 1, 3 * STEPS + 1))
+        assert store.metrics(recorder.run_id, values.LOSS)[0].tolist() == [2 * STEPS, 3 * STEPS]

@@ -445,3 +445,20 @@ def test_wrong_use_gets_a_clear_error() -> None:
     assert [type(cb).__name__ for cb in watch.callbacks] == ["LossMonitor"]
     assert repr(watch) == "StepwatchCallback([LossMonitor])"
     assert watch.run is None and watch.stop_reason is None
+
+
+def test_a_fit_resumed_from_a_checkpoint_counts_on_from_it(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    trainer, net = _fit([StepwatchCallback([RunRecorder(db=db)])], epochs=1, val=False)
+    ckpt = tmp_path / "after-epoch-1.ckpt"
+    trainer.save_checkpoint(ckpt)
+    recorder, user = RunRecorder(db=db), SeedStyle()
+    resumed = _trainer([StepwatchCallback([recorder, user])], 3, limit_val_batches=0)
+    resumed.fit(net, *_loaders(), ckpt_path=ckpt)
+    # 16 steps an epoch: the resumed fit trains steps 17-48, epochs 2 and 3.
+    assert [s for s, _, _ in user.seen] == list(range(17, 49))
+    assert sorted({e for _, e, _ in user.seen}) == [2, 3]
+    with Store(db) as store:
+        assert store.metrics(recorder.run_id, values.STEP_LOSS)[0].tolist() == list(range(17, 49))
+        assert store.metrics(recorder.run_id, values.LOSS)[0].tolist() == [32, 48]
+        assert store.run(recorder.run_id).config["epochs"] == 3

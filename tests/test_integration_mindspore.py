@@ -168,3 +168,17 @@ def test_progress_bar_draws_and_wrong_use_gets_clear_errors(
         StepwatchCallback(callbacks=42)
     with pytest.raises(TypeError, match=r"RunRecorder\(\)"):
         StepwatchCallback([RunRecorder])
+
+
+def test_a_resumed_mindspore_run_numbers_its_epochs_as_mindspore_does(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    recorder, user = RunRecorder(db=db), SeedStyle()
+    model, _ = _model()
+    model.train(3, _data(), callbacks=[StepwatchCallback([recorder, user])], initial_epoch=1)
+    # MindSpore trains epochs 2 and 3, counting its steps from 1 again.
+    assert sorted({epoch for epoch, _, _ in user.seen}) == [2, 3]
+    with Store(db) as store:
+        info = store.run(recorder.run_id)
+        assert [(p[1], p[2]) for p in store.points(info.id) if p[0] == values.LOSS] == [
+            (8, 2), (16, 3),
+        ]  # fmt: skip

@@ -188,8 +188,18 @@ class Bridge:
         steps_per_epoch: int,
         dataset: Any = None,
         lr_scheduler: Any = None,
+        initial_step: int = 0,
+        initial_epoch: int = 0,
     ) -> WatchedRun:
-        """Open the run: the callbacks' ``on_train_begin`` hooks run here."""
+        """Open the run: the callbacks' ``on_train_begin`` hooks run here.
+
+        Args:
+            host: the host's controls.
+            epochs: the host's last epoch (its total); steps_per_epoch: optimizer steps each.
+            dataset / lr_scheduler: the host's training data and LR schedule, if torch ones.
+            initial_step / initial_epoch: where a resumed host run goes on from (steps and
+                epochs already done); the run's step and epoch numbers count on from there.
+        """
         if self.run is not None:  # a run the host never ended (it crashed between fits)
             self.end(RuntimeError("the host started a new run before ending this one"))
         network = host.network if host.network is not None else None
@@ -202,10 +212,18 @@ class Bridge:
             lr_scheduler=lr_scheduler,
             dataset=dataset,
             host=host,
+            initial_step=max(0, int(initial_step)),
+            initial_epoch=max(0, int(initial_epoch)),
         )
         run.__enter__()
         self.run = self.last = run
         return run
+
+    def epoch_begins(self, epoch: int) -> None:
+        """The host's next epoch is ``epoch`` (1-based), for a host that tells where a resumed
+        run starts only when its first epoch begins."""
+        if self.run is not None:
+            self.run._host_epoch(epoch)
 
     def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> bool:
         """One optimizer step is done: run the step hooks; return whether to stop."""

@@ -25,8 +25,10 @@ already running on another backend makes ``StepwatchCallback(...)`` raise a Runt
 
 What the bridge reads from Keras:
 
-- the step and the epoch (counted from ``fit``'s hooks), ``steps`` and ``epochs`` from the
-  callback's ``params``; the rank and the world size from torch's process group, if any.
+- the step and the epoch (counted from ``fit``'s hooks, on from the optimizer's own
+  ``iterations`` and ``fit(initial_epoch=...)``, so a model trained before counts on),
+  ``steps`` and ``epochs`` from the callback's ``params``; the rank and the world size from
+  torch's process group, if any.
 - **the loss**: Keras hands ``on_train_batch_end`` its logs, where ``logs['loss']`` is the
   epoch's running mean (a ``Mean`` tracker), already turned into a Python float. So the
   bridge takes each batch's loss where the trainer computes it: while ``fit`` runs, the
@@ -358,7 +360,12 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
             world=world,
         )
         try:
-            run = self._bridge.begin(host, epochs=epochs, steps_per_epoch=int(steps))
+            run = self._bridge.begin(
+                host,
+                epochs=epochs,
+                steps_per_epoch=int(steps),
+                initial_step=_iterations(model),  # a model trained before counts on
+            )
         except BaseException:
             self._uninstall()
             raise
@@ -367,6 +374,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self._rate is not None:
             self._rate.stale()
+        self._bridge.epoch_begins(epoch + 1)  # fit(initial_epoch=k) begins with epoch k
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self._bridge.running:
@@ -486,3 +494,12 @@ def _config(model: Any, params: Mapping[str, Any]) -> dict[str, Any]:
         "steps": params.get("steps"),
         "jit_compile": getattr(model, "jit_compile", None),
     }
+
+
+def _iterations(model: Any) -> int:
+    """The optimizer steps the model has taken (Keras's own global step), read once."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    try:
+        return int(iterations) if iterations is not None else 0
+    except (TypeError, ValueError):  # an optimizer not built yet
+        return 0

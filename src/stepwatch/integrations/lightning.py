@@ -53,7 +53,8 @@ What the bridge reads from Lightning:
   steps (``trainer.global_step`` advancing) from 1; the steps per epoch are
   ``ceil(num_training_batches / accumulate_grad_batches)``; the epochs come from
   ``max_epochs`` / ``max_steps``; rank and world are ``trainer.global_rank`` /
-  ``trainer.world_size``. A fit resumed from a checkpoint is a new run counting from step 1.
+  ``trainer.world_size``. A fit resumed from a checkpoint (``ckpt_path=``) is a new run
+  that counts on from the checkpoint's step and epoch.
   Sanity-check validation is not training: its steps and values are not counted.
 - **The learning rate** from the Trainer's (first) optimizer, a torch optimizer; the first LR
   scheduler is the run's ``lr_scheduler``.
@@ -203,6 +204,8 @@ class StepwatchCallback(BridgeFace, pl.Callback):
             steps_per_epoch=steps_per_epoch,
             dataset=loader if isinstance(loader, torch.utils.data.DataLoader) else None,
             lr_scheduler=scheduler,
+            initial_step=self._seen_step,  # a fit resumed from a checkpoint goes on from it
+            initial_epoch=int(trainer.current_epoch),
         )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -15,7 +15,9 @@ MindSpore callbacks go to ``model.fit`` as before, next to the bridge.
 
 What the bridge reads from MindSpore's cb_params, at every ``on_train_step_end``:
 
-- the step (``cur_step_num``), the epoch (``cur_epoch_num``), ``batch_num`` and ``epoch_num``;
+- the step (``cur_step_num``), the epoch (``cur_epoch_num``: a run resumed with
+  ``initial_epoch`` is numbered from there, as MindSpore numbers it), ``batch_num`` and
+  ``epoch_num``;
 - the loss: ``net_outputs`` (its first element when the train network returns a tuple, as
   under loss scaling). MindSpore hands callbacks a MindSpore tensor, and stepwatch's monitors
   read torch tensors, so each step's loss is copied to the host once (``asnumpy``). On CPU
@@ -108,9 +110,11 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         self._context = run_context
         run = self._bridge.begin(
             host,
+            # MindSpore's epoch_num is what this call trains (epoch - initial_epoch); a
+            # resumed run's first epoch number is known when it begins.
             epochs=int(p.get("epoch_num", 1) or 1),
             steps_per_epoch=int(p.get("batch_num", 1) or 1),
-            dataset=None,
+            initial_step=int(p.get("cur_step_num", 0) or 0),
         )
         run.cb_params.train_dataset = p.get("train_dataset")
         run.cb_params.loss_fn = p.get("loss_fn")
@@ -119,6 +123,9 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
                 "stepwatch: MindSpore calls callbacks once per sink in dataset sink mode; each "
                 "call is recorded as one step"
             )
+
+    def on_train_epoch_begin(self, run_context: Any) -> None:
+        self._bridge.epoch_begins(int(run_context.original_args().cur_epoch_num))
 
     def on_train_step_end(self, run_context: Any) -> None:
         if not self._bridge.running:

@@ -258,21 +258,20 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         _OPEN.add(self)
         if isinstance(model, nn.Module):
             self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
+        done = int(state.global_step)  # > 0: resumed from a checkpoint, go on from its step
         try:
-            run = self._bridge.begin(
+            self._bridge.begin(
                 host,
                 epochs=epochs,
                 steps_per_epoch=steps_per_epoch,
                 dataset=train_dataloader,
                 lr_scheduler=lr_scheduler,
+                initial_step=done,
+                initial_epoch=done // steps_per_epoch,
             )
         except BaseException:
             self._release()
             raise
-        if state.global_step > 0:  # resumed from a checkpoint: go on from its step
-            p = run.cb_params
-            p.cur_step_num = p.progress.trained_step = int(state.global_step)
-            p.cur_epoch_num = int(state.global_step) // steps_per_epoch
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

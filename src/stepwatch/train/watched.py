@@ -60,9 +60,13 @@ class WatchedRun:
         lr_scheduler: Any = None,
         dataset: Any = None,
         host: Any = None,
+        initial_step: int = 0,
+        initial_epoch: int = 0,
     ) -> None:
-        # ``host``: a bridge's host controls (stepwatch.integrations), None for a user's loop.
+        # ``host``: a bridge's host controls (stepwatch.integrations), None for a user's loop;
+        # a resumed host run goes on from ``initial_step`` / ``initial_epoch``.
         self._host = host
+        self._initial = (initial_step, initial_epoch)
         self._network = network
         self._optimizer = optimizer
         self._callbacks = callbacks
@@ -132,10 +136,11 @@ class WatchedRun:
         if foreign:
             p.network = p.train_network = p.eval_network = self._network
         p.mode = "train"
-        p.epoch_num = self._epochs
-        p.initial_epoch = 0
+        initial_step, initial_epoch = self._initial
+        p.epoch_num = max(1, self._epochs - initial_epoch) if initial_epoch else self._epochs
+        p.initial_epoch = p.cur_epoch_num = initial_epoch
         p.batch_num = self._steps_per_epoch
-        p.initial_step = 0
+        p.initial_step = p.cur_step_num = p.progress.trained_step = initial_step
         p.train_dataset = self._dataset
         p.dataset_sink_mode = False
         p.train_dataset_element = None
@@ -163,6 +168,16 @@ class WatchedRun:
             self._stack.__exit__(*_exc_info())
             raise
         return self
+
+    def _host_epoch(self, epoch: int) -> None:
+        """A bridge's host says its next epoch is ``epoch`` (1-based): number it so (a host
+        that tells its first epoch only when it begins, as a resumed Keras or MindSpore fit)."""
+        if not self._in_epoch and self._state == "running":
+            p = self.cb_params
+            before = max(0, int(epoch) - 1)
+            if p.cur_epoch_num == p.initial_epoch:  # no epoch yet: the run starts there
+                p.initial_epoch = before
+            p.cur_epoch_num = before
 
     def _begin_epoch(self) -> None:
         p = self.cb_params
