@@ -68,6 +68,10 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/gpu_sync.py
 	$(PY) bench/gpu_amp.py
 	$(PY) bench/distributed.py
+	$(PY) bench/bridges.py
+	$(PY) bench/postgres.py
+	$(PY) bench/dashboard.py
+	$(PY) bench/diagnose.py
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache $(VENDOR) artifacts
