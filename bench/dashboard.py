@@ -19,6 +19,18 @@ Then ``first chart``: a fresh headless Chromium (Debian's ``/usr/bin/chromium`` 
 the first chart has drawn its points (counted from the start of navigation), median over
 the rounds (goal <= 1.5 s). Skipped with a note where Chromium is missing.
 
+Then the daily-tool figures (issue 21), each beside its baseline:
+
+* ``/api/runs`` on a store of 1,000 runs (each 100 steps of ``step_loss``, an epoch ``loss``
+  and a config), median over the rounds; baseline: a plain ``sqlite3`` ``SELECT * FROM runs``
+  on its own connection (every run row, nothing summarised), and that read again (noise floor).
+  Goal <= 200 ms.
+* a 20-run overlay (``/?runs=1,...,20`` of that store) in a fresh headless Chromium: the page's
+  ``performance.now()`` when every run's series are drawn (``__stepwatch.interactive``);
+  baseline: the same page's ``DOMContentLoaded``. Goal <= 2 s.
+* the page of a run with 3,000 keys (100 steps each): interactive (its first page of charts
+  drawn, the controls live) against the same baseline. Goal <= 2 s.
+
 Usage::
 
     python bench/dashboard.py            # 15 rounds, 5 browser rounds
@@ -59,6 +71,134 @@ def build_store(db: Path) -> None:
         )
         writer.flush(timeout=120)
     writer.close()
+
+
+RUNS = 1000
+WIDE_KEYS = 3000
+
+
+def build_many_runs(db: Path) -> None:
+    rng = np.random.default_rng(1)
+    for i in range(RUNS):
+        config = {"lr": float(rng.choice([0.1, 0.03, 0.01])), "batch_size": 32 << (i % 3)}
+        writer = RunWriter(db, name=f"sweep-{i:04d}", config=config, flush_seconds=60)
+        writer.log_batch("step_loss", range(1, 101), 2.0 / np.arange(1, 101) ** 0.5, 1)
+        writer.log("loss", float(rng.random()), 100, 1)
+        writer.close()
+
+
+def build_wide_run(db: Path) -> None:
+    writer = RunWriter(db, name="wide", max_pending=1_000_000, flush_seconds=60)
+    steps = np.arange(1, 101)
+    for k in range(WIDE_KEYS):
+        writer.log_batch(f"probe_{k:04d}/value", steps, np.sin(steps / 7 + k), 1)
+    writer.close()
+
+
+def timed_get(host: str, port: int, path: str) -> tuple[float, object]:
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    conn.request("GET", path)
+    answer = json.loads(conn.getresponse().read())
+    conn.close()
+    return time.perf_counter() - start, answer
+
+
+def plain_runs(db: Path) -> float:
+    start = time.perf_counter()
+    conn = sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+    rows = conn.execute("SELECT * FROM runs ORDER BY id").fetchall()
+    conn.close()
+    elapsed = time.perf_counter() - start
+    assert len(rows) == RUNS
+    return elapsed
+
+
+def page_ready(url: str, mark: str) -> tuple[float, float]:
+    """``(mark, DOMContentLoaded)`` in seconds from the start of navigation, fresh browser."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="stepwatch-bench-chromium-")
+    options = Options()
+    options.binary_location = str(CHROMIUM)
+    for flag in chromium_flags(profile, "1400,1000"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    try:
+        driver.get(url)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            got = driver.execute_script(
+                f"return window.__stepwatch && window.__stepwatch.{mark} !== null && "
+                "!document.getElementById('db-status').textContent.startsWith('error') ? "
+                f"[window.__stepwatch.{mark}, performance.getEntriesByType('navigation')[0]"
+                ".domContentLoadedEventEnd] : null;"
+            )
+            if got is not None:
+                return float(got[0]) / 1000, float(got[1]) / 1000
+            time.sleep(0.01)
+        raise TimeoutError(f"{mark} not reached within 60 s")
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def daily_tool(folder: Path, rounds: int, browser_rounds: int) -> None:
+    many, wide = folder / "many.db", folder / "wide.db"
+    started = time.perf_counter()
+    build_many_runs(many)
+    build_wide_run(wide)
+    print(f"\nstores: {RUNS:,} runs and one run of {WIDE_KEYS:,} keys, written in "
+          f"{time.perf_counter() - started:.1f} s")  # fmt: skip
+    server = make_server(many, port=0)
+    thread = serve_in_thread(server)
+    host, port = str(server.server_address[0]), int(server.server_address[1])
+    try:
+        api: list[float] = []
+        plain: list[float] = []
+        again: list[float] = []
+        for round_index in range(rounds + 1):
+            seconds, answer = timed_get(host, port, "/api/runs")
+            assert isinstance(answer, list) and len(answer) == RUNS
+            floor = [plain_runs(many), plain_runs(many)]
+            if round_index:
+                api.append(seconds)
+                plain.append(floor[0])
+                again.append(floor[1])
+        print(f"/api/runs, {RUNS:,} runs: median {statistics.median(api) * 1000:.1f} ms over "
+              f"{rounds} rounds (min {min(api) * 1000:.1f}, max {max(api) * 1000:.1f}); "
+              f"plain SELECT * FROM runs {statistics.median(plain) * 1000:.2f} ms, again "
+              f"{statistics.median(again) * 1000:.2f} ms")  # fmt: skip
+        if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+            print("pages: skipped (no /usr/bin/chromium or /usr/bin/chromedriver)")
+            return
+        overlay = f"{server.url}?runs={','.join(str(i) for i in range(1, 21))}"
+        got = [page_ready(overlay, "interactive") for _ in range(browser_rounds)]
+        _page_line("20-run overlay drawn", got)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    server = make_server(wide, port=0)
+    thread = serve_in_thread(server)
+    try:
+        got = [page_ready(server.url + "?runs=1", "interactive") for _ in range(browser_rounds)]
+        _page_line(f"{WIDE_KEYS:,}-key run interactive", got)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def _page_line(what: str, got: list[tuple[float, float]]) -> None:
+    marks = [g[0] for g in got]
+    loaded = statistics.median(g[1] for g in got)
+    print(
+        f"{what}: median {statistics.median(marks):.3f} s over {len(got)} fresh browsers "
+        f"(min {min(marks):.3f}, max {max(marks):.3f}); DOMContentLoaded {loaded:.3f} s"
+    )
 
 
 def endpoint(host: str, port: int) -> float:
@@ -117,11 +257,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--browser-rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only-daily", action="store_true", help="skip the 1M-step run")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.browser_rounds = 3, 1
     folder = Path(tempfile.mkdtemp(prefix="stepwatch-bench-dashboard-"))
     try:
+        if args.only_daily:
+            daily_tool(folder, args.rounds, args.browser_rounds)
+            return 0
         db = folder / "long.db"
         started = time.perf_counter()
         build_store(db)
@@ -159,17 +303,18 @@ def main() -> int:
             print("noise floor: plain read' / plain read (raw vs raw)")
             if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
                 print("\nfirst chart: skipped (no /usr/bin/chromium or /usr/bin/chromedriver)")
-                return 0
-            draws = [first_chart(server.url) for _ in range(args.browser_rounds)]
-            median = statistics.median(draws)
-            print(
-                f"\nfirst chart drawn in headless Chromium: median {median:.3f} s "
-                f"over {len(draws)} fresh browsers (min {min(draws):.3f}, max {max(draws):.3f})"
-            )
+            else:
+                draws = [first_chart(server.url) for _ in range(args.browser_rounds)]
+                median = statistics.median(draws)
+                print(
+                    f"\nfirst chart drawn in headless Chromium: median {median:.3f} s over "
+                    f"{len(draws)} fresh browsers (min {min(draws):.3f}, max {max(draws):.3f})"
+                )
         finally:
             server.shutdown()
             server.server_close()
             thread.join(timeout=10)
+        daily_tool(folder, args.rounds, args.browser_rounds)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return 0

@@ -218,7 +218,7 @@ def _sweep(db: Path) -> None:
         writer.close()
     bad = RunWriter(db, name="diverged", config={"lr": 3.0, "batch_size": 32, "seed": 0})
     for step in range(1, 61):
-        bad.log("step_loss", 1.0 + step * (0.02 if step < 50 else 2.0), step, 1)
+        bad.log("step_loss", 1.0 + step * (0.02 if step < 50 else 20.0), step, 1)
     bad.event(
         "alert",
         "loss 21.0 is 8.2x its recent median",
@@ -312,6 +312,7 @@ def test_runs_compared_url_state_round_trip(browser: Any, tmp_path: Path) -> Non
         # One colour per run, the same in every chart; one legend entry per run.
         assert loss["colors"] == accuracy["colors"]
         assert len(set(loss["colors"].split("|"))) == 3
+        assert loss["log"] == "0"  # a curve within three decades stays on a linear y
         legend = browser.find_elements("css selector", "#legend .run")
         assert [e.get_attribute("data-run") for e in legend] == ["1", "2", "3"]
         # Hovering shows every run's value at that step.

@@ -630,7 +630,8 @@ function chartEntries(name, plan) {
 function wantsLog(name, entries) {
   if (state.ylog.has(name)) return state.ylog.get(name);
   if (state.yscale !== "auto") return state.yscale === "log";
-  // Automatic: log when every value is positive and they span two decades or more.
+  // Automatic, by the PNG plots' rule: log when every value is positive and they span three
+  // decades or more.
   let lo = Infinity, hi = -Infinity;
   for (const e of entries) {
     for (const part of [e.held.lo || e.held.values, e.held.hi || e.held.values]) {
@@ -642,7 +643,7 @@ function wantsLog(name, entries) {
       }
     }
   }
-  return hi > 0 && hi / lo >= 100;
+  return hi > 0 && hi / lo >= 1e3;
 }
 
 function chartData(entries, log) {
