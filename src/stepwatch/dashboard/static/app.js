@@ -217,7 +217,11 @@ function configColumns() {
     if (!seen.has(k)) seen.set(k, new Set());
     seen.get(k).add(JSON.stringify(v));
   }
-  const differing = [...seen].filter(([, vs]) => vs.size > 1).map(([k]) => k).sort();
+  // Only short values make a column (a list of callbacks does not); any key can be chosen.
+  const short = (v) => typeof v === "number" || typeof v === "boolean" || (typeof v === "string" && v.length <= 24);
+  const shortKeys = new Set();
+  for (const run of state.runs) for (const [k, v] of Object.entries(flatConfig(run))) if (!short(v)) shortKeys.add(k);
+  const differing = [...seen].filter(([k, vs]) => vs.size > 1 && !shortKeys.has(k)).map(([k]) => k).sort();
   return differing.slice(0, 5);
 }
 
