@@ -8,6 +8,11 @@ Per host, each round runs one epoch of every variant, each paired with an epoch 
 alone (the pair's order alternates from round to round):
 
 * ``alone'`` - the host alone again: paired with the host alone, its ratio is the noise floor;
+* ``no-op callback`` - the host with one more callback of its own kind that does nothing:
+  what the host's callback machinery charges any callback, the bridge included. For Keras it
+  has a batch-end hook: Keras hands batch-end hooks to a thread pool only while no callback
+  has one, and runs them in line otherwise (on this machine the pool is the slower way);
+  the bridge has one, so this is its fair floor;
 * ``stepwatch`` - the host with ``StepwatchCallback([RunRecorder(every_n_steps=1),
   AnomalyMonitor()])``, recording every step's loss into a temporary SQLite run store;
 * the host's own logger, recording every step where it can: Lightning's ``CSVLogger`` and
@@ -157,6 +162,7 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
+        "no-op callback": runner(lambda: [pl.Callback()], lambda: False),
         "stepwatch": runner(
             lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False
         ),
@@ -168,8 +174,9 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 # -- the Hugging Face Trainer -----------------------------------------------------------------
 def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     import transformers
-    from stepwatch.integrations.transformers import StepwatchCallback
     from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from stepwatch.integrations.transformers import StepwatchCallback
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", module=r"torch\.utils\.tensorboard")
@@ -217,7 +224,6 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 logging_strategy="steps" if report_to else "no",
                 logging_steps=1,
                 report_to=report_to,
-                logging_dir=os.path.join(folder, "tb"),
                 disable_tqdm=True,
                 dataloader_num_workers=0,
                 remove_unused_columns=False,
@@ -234,6 +240,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list, []),
         "alone'": runner(list, []),
+        "no-op callback": runner(lambda: [TrainerCallback()], []),
         "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))], []),
         "tensorboard": runner(list, ["tensorboard"]),
     }
@@ -242,6 +249,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 # -- Keras ------------------------------------------------------------------------------------
 def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     import keras
+
     from stepwatch.integrations.keras import StepwatchCallback
 
     keras.utils.set_random_seed(SEED)
@@ -266,6 +274,13 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self.seconds = time.perf_counter() - self.start
 
+    class BatchNoop(keras.callbacks.Callback):
+        """A batch-end hook that does nothing: with one, Keras calls batch hooks in line
+        rather than on its thread pool, as with the bridge."""
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            pass
+
     x, y = data.x.numpy(), data.y.numpy()
 
     def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
@@ -288,6 +303,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list),
         "alone'": runner(list),
+        "no-op callback": runner(lambda: [BatchNoop()]),
         "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))]),
         "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
         "progress bar": runner(list, verbose=1),
@@ -363,12 +379,16 @@ def report(results: list[Pairs], steps: int) -> None:
     print()
     for host, shares in by_host.items():
         bridge, noise = shares["stepwatch"], shares["alone'"]
-        loggers = {k: v for k, v in shares.items() if k not in ("stepwatch", "alone'")}
+        loggers = {
+            k: v for k, v in shares.items() if k not in ("stepwatch", "alone'", "no-op callback")
+        }
+        dispatch = shares["no-op callback"]
         cheaper = [k for k, v in loggers.items() if bridge < v]
         verdicts.append(
             f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
             f"{'met' if bridge <= GOAL else 'NOT met'}); noise floor "
-            f"{noise * 100:+.1f}%; cheaper than "
+            f"{noise * 100:+.1f}%; a no-op callback {dispatch * 100:+.1f}% (the bridge over it: "
+            f"{(bridge - dispatch) * 100:+.1f}%); cheaper than "
             f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
         )
     print("\n".join(verdicts))
