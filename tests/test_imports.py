@@ -118,6 +118,7 @@ def test_package_faces_keep_their_names() -> None:
         *stepwatch.monitor.__all__,
         "detectors",
         "epoch_detectors",
+        "learning_detectors",
         "layer_detectors",
         "ring",
         "schedule",
