@@ -25,6 +25,7 @@ from stepwatch.dashboard.server import DashboardServer, make_server, serve_in_th
 from stepwatch.store import RunWriter
 
 from .conftest import wait_until
+from .pg_cluster import pg_cluster_fixture  # noqa: F401 - the fixture, for the PostgreSQL page test
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACT = ROOT / "artifacts" / "dashboard-browser-test.png"
@@ -419,3 +420,42 @@ def test_alert_with_its_actions_and_the_system_panel(browser: Any, tmp_path: Pat
         ]
         wait_until(lambda: _chart(browser, "system/rss_mb")["points"] == 6)
         print(f"screenshot: {_shot(browser, 'alert')}")
+
+
+def test_the_page_over_a_postgresql_team_store(
+    browser: Any, request: pytest.FixtureRequest
+) -> None:
+    """Two machines' runs in one PostgreSQL store, on the page as from a local file: the list,
+    the live run's chart, and the finished run's alert on its chart."""
+    from .pg_cluster import PgCluster
+
+    cluster: PgCluster = request.getfixturevalue("pg_cluster")
+    url = cluster.new_database()
+    done = RunWriter(url, name="team-baseline")
+    for step in range(1, 121):
+        done.log("step_loss", 2.0 / step**0.5 if step != 90 else 40.0, step, 1 + step // 60)
+    done.event("alert", "loss jumped to 40", 90, 2, level="warning",
+               data={"kind": "spike", "actions": ["rolled back to step 50 (1 of 3)"]})  # fmt: skip
+    done.close("finished")
+    live = RunWriter(url, name="team-live", flush_seconds=0.05)
+    for step in range(1, 61):
+        live.log("step_loss", 1.0 / step**0.5, step, 1)
+    assert live.flush()
+    try:
+        with _served(url) as server:  # type: ignore[arg-type]
+            browser.get(server.url)
+            wait_until(lambda: _rows(browser) == ["team-live", "team-baseline"])
+            assert _texts(browser, "#runs tbody .status") == ["running", "finished"]
+            wait_until(lambda: _chart(browser, "loss")["points"] == 60)
+            assert _chart(browser, "loss")["inked"] > 500
+            for step in range(61, 81):  # the live run goes on: the page follows it
+                live.log("step_loss", 1.0 / step**0.5, step, 1)
+            assert live.flush()
+            wait_until(lambda: _chart(browser, "loss")["last"] == 80, timeout=15)
+            browser.get(f"{server.url}?runs=1")
+            wait_until(lambda: _chart(browser, "loss")["points"] > 0)
+            wait_until(lambda: "1:90:alert" in _chart(browser, "loss")["markers"].split("|"))
+            assert cluster.password not in browser.page_source
+            _shot(browser, "postgres")
+    finally:
+        live.close()
