@@ -74,7 +74,11 @@ class AnomalyMonitor(Acting, Callback):
     device every ``grad_every_n_steps`` optimizer steps, and at the next step after the loss
     raised an alert (per-layer norms with one fused op, dead-unit fractions), read in the same
     transfer. Memory is bounded: every detector keeps
-    a fixed window. Each detector fires **once per episode** of its condition.
+    a fixed window. Each detector fires **once per episode** of its condition. The kinds:
+    ``nonfinite``, ``spike``, ``divergence``, ``plateau``, ``not_learning``, ``lr_negligible``,
+    ``recurring_batch`` (on the step losses), ``grad_explosion``, ``grad_vanishing``,
+    ``dying_relu``, ``saturation`` (on the sampled steps' gradients and activations),
+    ``worse_than_chance``, ``overfitting`` and ``threshold`` (on the epoch values).
 
     In a distributed run every rank watches the mean loss over the ranks (one all_reduce per
     transfer, every 8 steps) and the gradients (the same on every rank after DDP's
