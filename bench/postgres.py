@@ -15,7 +15,11 @@ as the ``postgres`` user when root) and removes it afterwards.
 * training thread: CPU time of the logging thread (``time.thread_time``) per scalar, for
   ``log_batch`` chunks and for single ``log`` calls, while the writer thread writes;
 * ``/api/runs``: a dashboard on a store of 1,000 runs (each 200 step losses and 5 epoch
-  losses), the median of 7 requests.
+  losses), the median of 7 requests;
+* the overlay: 20 runs of 100,000 step losses each, written once into PostgreSQL and once
+  into a SQLite file, and ``/?runs=1,...,20`` opened in a fresh headless Chromium for each
+  (``bench/dashboard.py``'s page timer): the time until every chart is drawn, the SQLite
+  store as the baseline.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import http.client
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,6 +119,33 @@ def api_runs(url: str, runs: int = 1_000) -> float:
         thread.join(10)
 
 
+def overlay(url: str, runs: int = 20, points: int = 100_000) -> float:
+    """Median seconds (3 fresh browsers) until the page overlaying ``runs`` runs of ``points``
+    step losses each is interactive, on the store at ``url``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from dashboard import page_ready
+
+    from stepwatch.dashboard.server import make_server, serve_in_thread
+
+    rng = np.random.default_rng(2)
+    steps = np.arange(1, points + 1)
+    for i in range(runs):
+        writer = RunWriter(url, name=f"overlay-{i:02d}", max_pending=1_000_000)
+        values = 2.0 * np.exp(-steps / (20_000 + 1000 * i)) + 0.05 * rng.standard_normal(points)
+        for at in range(0, points, 10_000):
+            writer.log_batch("step_loss", range(at + 1, at + 10_001), values[at : at + 10_000])
+        writer.close()
+    server = make_server(url, port=0)
+    thread = serve_in_thread(server)
+    try:
+        page = f"{server.url}?runs={','.join(str(i) for i in range(1, runs + 1))}"
+        return statistics.median(page_ready(page, "interactive")[0] for _ in range(3))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", help="a postgresql:// store (default: a throwaway cluster)")
@@ -138,6 +170,12 @@ def main() -> None:
               f"{single:.3f} us/scalar (log)")  # fmt: skip
         api_url = url if args.url else cluster.new_database()  # type: ignore[union-attr]
         print(f"/api/runs with 1,000 runs: {api_runs(api_url):.0f} ms (median of 7)")
+        over_url = url if args.url else cluster.new_database()  # type: ignore[union-attr]
+        with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as folder:
+            local = overlay(str(Path(folder) / "overlay.db"))
+        team = overlay(over_url)
+        print(f"20-run overlay (100k points each) drawn: PostgreSQL {team:.2f} s, "
+              f"SQLite {local:.2f} s (median of 3 fresh browsers)")  # fmt: skip
     finally:
         if cluster is not None:
             cluster.stop()
