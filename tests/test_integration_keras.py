@@ -382,7 +382,11 @@ def test_a_second_fit_counts_on_from_kerass_own_step_and_initial_epoch(tmp_path:
     model = _compiled(RecordingModel())
     _fit(model, [StepwatchCallback([RunRecorder(db=db)])], epochs=1)
     recorder, user = RunRecorder(db=db), SeedStyle()
-    _fit(model, [StepwatchCallback([recorder, user])], epochs=3, initial_epoch=1)
+    bridge = StepwatchCallback([recorder, user])
+    _fit(model, [bridge], epochs=3, initial_epoch=1)
+    assert bridge.run is not None
+    p = bridge.run.cb_params
+    assert (p.initial_epoch, p.epoch_num, bridge.run.view.epochs) == (1, 2, 3)
     # Keras's optimizer had taken 16 steps; fit(initial_epoch=1) trains epochs 2 and 3.
     assert [s for s, _, _ in user.seen] == list(range(STEPS + 1, 3 * STEPS + 1))
     assert sorted({e for _, e, _ in user.seen}) == [2, 3]

@@ -22,6 +22,8 @@ import stepwatch
 from stepwatch import AnomalyMonitor, Callback, RunRecorder, Store
 from stepwatch.store import notify
 
+from .conftest import wait_until
+
 SECRET = "T000/B000/XXXXsecretXXXX"
 
 
@@ -195,3 +197,66 @@ def test_system_metrics_are_written_by_the_writer_under_their_prefix(tmp_path: P
             run.step(net(torch.randn(8, 4)).pow(2).mean().detach())
     with Store(db) as store:
         assert not [k for k in store.keys(off.run_id) if k.startswith("system/")]
+
+
+def test_a_malformed_answer_or_a_hanging_endpoint_never_stops_the_notifier_or_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+
+    monkeypatch.setattr(notify, "_RETRY_PAUSES", (0.01, 0.01, 0.01))
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def serve(mode: list[str]) -> None:  # answers garbage, or holds the connection open
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            if mode[0] == "garbage":
+                conn.recv(65536)
+                conn.sendall(b"GARBAGE\r\n\r\n")
+                conn.close()
+            else:
+                held.append(conn)
+
+    mode = ["garbage"]
+    thread = threading.Thread(target=serve, args=(mode,), daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}/services/{SECRET}"
+        recorder = RunRecorder(db=tmp_path / "runs.db", notify=url)
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            _train_with_nan([AnomalyMonitor(action="stop"), recorder])
+        notifier = recorder.writer.notifier  # type: ignore[union-attr]
+        assert notifier is not None
+        wait_until(lambda: notifier.failed == 2)  # both messages counted, the thread alive
+        assert SECRET not in caplog.text and "BadStatusLine" in caplog.text
+
+        # An endpoint that never answers: the run's status is stored without waiting for it.
+        mode[0] = "hang"
+        monkeypatch.setattr(notify, "_TIMEOUT", 30.0)
+        recorder = RunRecorder(db=tmp_path / "hang.db", notify=url)
+        _train_with_nan([AnomalyMonitor(action="stop"), recorder])
+        with Store(tmp_path / "hang.db") as store:
+            assert store.run(recorder.run_id).status == "anomaly"
+        notifier = recorder.writer.notifier  # type: ignore[union-attr]
+        assert notifier is not None and notifier.sent == 0  # still waiting on the endpoint
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        for conn in held:
+            conn.close()
+        listener.close()
+
+
+def test_a_url_with_spaces_is_refused_without_showing_its_token() -> None:
+    with pytest.raises(ValueError, match="without spaces") as info:
+        RunRecorder(notify=f"https://hooks.example/services/{SECRET} X")
+    assert SECRET not in str(info.value)

@@ -219,11 +219,12 @@ class Bridge:
         self.run = self.last = run
         return run
 
-    def epoch_begins(self, epoch: int) -> None:
+    def epoch_begins(self, epoch: int, total: bool = False) -> None:
         """The host's next epoch is ``epoch`` (1-based), for a host that tells where a resumed
-        run starts only when its first epoch begins."""
+        run starts only when its first epoch begins; ``total``: the ``epochs`` given to
+        :meth:`begin` counted from epoch 1, not from where the run starts."""
         if self.run is not None:
-            self.run._host_epoch(epoch)
+            self.run._host_epoch(epoch, total)
 
     def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> bool:
         """One optimizer step is done: run the step hooks; return whether to stop."""

@@ -374,7 +374,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self._rate is not None:
             self._rate.stale()
-        self._bridge.epoch_begins(epoch + 1)  # fit(initial_epoch=k) begins with epoch k
+        self._bridge.epoch_begins(epoch + 1, total=True)  # fit(initial_epoch=k): epoch k+1
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if not self._bridge.running:

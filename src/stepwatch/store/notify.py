@@ -21,6 +21,7 @@ path): it is never stored with the run or logged - messages name only its scheme
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import logging
 import socket
@@ -49,6 +50,11 @@ def check_notify_url(url: Any) -> str | None:
         raise TypeError(
             f"'notify' must be a webhook URL (a str like 'https://hooks.slack.com/services/...') "
             f"or None, but got {type(url).__name__}."
+        )
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise ValueError(
+            f"'notify' must be a URL without spaces or control characters, but the one "
+            f"starting {_shown(url)!r} has some; quote them (%20) or copy the URL again."
         )
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -143,7 +149,11 @@ class Notifier:
             self._wake.wait(1.0)
             self._wake.clear()
             while self._queue:
-                self._deliver(self._queue.popleft())
+                payload = self._queue.popleft()
+                try:
+                    self._deliver(payload)
+                except Exception as exc:  # nothing may end this thread: count, say it once
+                    self._failed_once(type(exc).__name__)
             if self._closing and not self._queue:
                 return
 
@@ -169,8 +179,14 @@ class Notifier:
                 why = f"HTTP {exc.code}"
                 if 400 <= exc.code < 500 and exc.code not in (408, 429):
                     break  # the endpoint refuses this message: another try will not help
-            except (OSError, ValueError) as exc:  # refused, unreachable, timed out, bad URL
-                why = type(exc).__name__ if not str(exc) else str(exc)
+            except urllib.error.URLError as exc:  # refused, unreachable, timed out
+                why = str(exc.reason)
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                why = type(exc).__name__  # a malformed answer; its text may quote the URL
+        self._failed_once(why)
+
+    def _failed_once(self, why: str) -> None:
+        """Count a lost message; the first one is logged (naming the endpoint's host only)."""
         self.failed += 1
         if not self._warned:
             self._warned = True
@@ -178,14 +194,13 @@ class Notifier:
                 "stepwatch notify: could not post to %s (%s); training goes on, and later "
                 "messages that fail are counted, not logged",
                 self.shown,
-                why.replace(self.url, self.shown),
+                why,
             )
 
-    def close(self, timeout: float = 15.0) -> None:
-        """Post what is queued (waiting at most ``timeout`` seconds), then stop the thread."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Let the thread post what is queued and stop; wait at most ``timeout`` seconds for
+        it (the run's status is already stored). A slow endpoint is not waited for longer:
+        the thread goes on posting while the process lives (a daemon: it ends with it)."""
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
-        if self._thread.is_alive():  # the endpoint hangs: what still waits is lost
-            self.failed += len(self._queue)
-            self._queue.clear()

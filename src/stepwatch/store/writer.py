@@ -317,7 +317,13 @@ class RunWriter:
             self._report_disk_error(StoreBusy(f"still {why} after {timeout:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
-        self._close_extras(status)
+        try:
+            self._finish(status)
+        finally:
+            self._close_extras(status)  # after the status is stored: a webhook may be slow
+
+    def _finish(self, status: str) -> None:
+        """Record ``status`` and close the backend (the writer thread has stopped)."""
         backend = self._backend
         if backend is None or self.run_id is None:  # the store stayed locked from the start
             logger.warning(

@@ -169,13 +169,17 @@ class WatchedRun:
             raise
         return self
 
-    def _host_epoch(self, epoch: int) -> None:
+    def _host_epoch(self, epoch: int, total: bool = False) -> None:
         """A bridge's host says its next epoch is ``epoch`` (1-based): number it so (a host
-        that tells its first epoch only when it begins, as a resumed Keras or MindSpore fit)."""
+        that tells its first epoch only when it begins, as a resumed Keras or MindSpore fit).
+        ``total``: the run's ``epochs`` counted every epoch from 1 (Keras), not only those
+        this run trains (MindSpore), so the epochs still to train shrink by the ones skipped."""
         if not self._in_epoch and self._state == "running":
             p = self.cb_params
             before = max(0, int(epoch) - 1)
             if p.cur_epoch_num == p.initial_epoch:  # no epoch yet: the run starts there
+                if total:
+                    p.epoch_num = max(1, p.initial_epoch + p.epoch_num - before)
                 p.initial_epoch = before
             p.cur_epoch_num = before
 
