@@ -197,6 +197,13 @@ class Notifier:
                 why,
             )
 
+    def finish(self, status: str, run_id: int | None, step: int | None = None) -> None:
+        """The run ended: post its end (:meth:`end`) and :meth:`close`."""
+        if run_id is not None:
+            self.run_id = run_id
+        self.end(status, step)
+        self.close()
+
     def close(self, timeout: float = 2.0) -> None:
         """Let the thread post what is queued and stop; wait at most ``timeout`` seconds for
         it (the run's status is already stored). A slow endpoint is not waited for longer:

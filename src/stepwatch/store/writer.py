@@ -351,11 +351,8 @@ class RunWriter:
         """The run's end reaches the webhook; the system sampler lets its libraries go."""
         if self.system is not None:
             self.system.close()
-        notifier = self.notifier
-        if notifier is not None:
-            notifier.run_id = self.run_id
-            notifier.end(status, self.last_step or None)
-            notifier.close()
+        if self.notifier is not None:
+            self.notifier.finish(status, self.run_id, self.last_step or None)
 
     @property
     def closed(self) -> bool:
@@ -367,8 +364,6 @@ class RunWriter:
         if sampler is None or now - self._sampled < sampler.every or self.run_id is None:
             return
         self._sampled = now
-        if self.notifier is not None:
-            self.notifier.run_id = self.run_id
         wall, step = time.time(), self.last_step
         for key, value in sampler.sample().items():
             self._pending.append((key, step, None, wall, value))
