@@ -229,23 +229,43 @@ def test_reduce_lr_scales_a_learning_rate_schedule() -> None:
     assert float(again._learning_rate(32)) == pytest.approx(now, rel=1e-6)
 
 
-def test_rollback_stops_keras_instead(tmp_path: Path) -> None:
+class Weights(keras.callbacks.Callback):
+    """A Keras callback after the bridge: the model's weights and the optimizer's step count
+    as each batch ends, once the bridge's callbacks (and a rollback) have acted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[list[np.ndarray], int]] = []
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        weights = [w.copy() for w in self.model.get_weights()]
+        self.seen.append((weights, int(self.model.optimizer.iterations)))
+
+
+def test_rollback_restores_the_keras_model_and_optimizer_in_place(tmp_path: Path) -> None:
     keras.utils.set_random_seed(0)
     db = tmp_path / "runs.db"
     recorder = RunRecorder(db=db)
     model = _compiled(RecordingModel(poison={30: 1e4}))
-    monitor = AnomalyMonitor(detectors={"spike": {"window": 20}}, action={"spike": "rollback"})
-    history = _fit(model, [StepwatchCallback([monitor, recorder])], epochs=4)
-    assert [a.kind for a in monitor.alerts] == ["spike"] and monitor.rollbacks == 0
-    assert monitor.outcomes == [
-        "keras cannot restore weights and optimizer mid-run, stopping training"
-    ]
-    # The spike of step 30 was read at step 32, epoch 2's last: fit stopped there.
-    assert len(model.computed) == 32 and len(history.epoch) == 2
+    monitor = AnomalyMonitor(
+        detectors={"spike": {"window": 20}}, action={"spike": "rollback"}, rollback_every=10
+    )
+    weights = Weights()
+    bridge = StepwatchCallback([monitor, recorder])
+    _fit(model, [bridge, weights], epochs=4)
+    # The spike of step 30 is read at step 32: back to the copy of step 20 (the one of step 30
+    # was taken after the bad update), then fit goes on to its end.
+    assert [a.kind for a in monitor.alerts] == ["spike"] and monitor.rollbacks == 1
+    assert monitor.outcomes[0].startswith("rolled back to step 20")
+    assert bridge.run is not None and bridge.run.rollbacks == [(20, 32)]
+    at_20, after_32 = weights.seen[19], weights.seen[31]
+    for before, restored in zip(at_20[0], after_32[0]):
+        np.testing.assert_array_equal(before, restored)
+    assert (at_20[1], after_32[1]) == (20, 20)  # the optimizer's own step count came back
+    assert len(model.computed) == 4 * STEPS
+    assert all(math.isfinite(v) for v in model.computed[32:])
     with Store(db) as store:
-        info = store.run(recorder.run_id)
-        assert info.status == "anomaly"
-        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist()[-1] == 32
+        assert store.run(recorder.run_id).status == "finished"
 
 
 def test_a_rate_a_keras_callback_sets_each_epoch_is_recorded(tmp_path: Path) -> None:

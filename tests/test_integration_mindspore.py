@@ -127,15 +127,54 @@ def test_actions_reach_mindspores_optimizer_and_checkpoints(tmp_path: Path) -> N
     assert {"weight", "bias"} <= {name.rsplit(".", 1)[-1] for name in saved}
     assert (snapshots / "anomaly-nonfinite-step3.json").is_file()
 
-    # A MindSpore network cannot be rolled back in place: the rollback stops the run.
-    model, _ = _model()
-    rollback = AnomalyMonitor(action={"nonfinite": "rollback"})
-    host = HostLosses()
-    model.train(2, _data(nan_row=20), callbacks=[host, StepwatchCallback([rollback])])
-    assert len(host.losses) < 2 * STEPS
-    assert rollback.outcomes == [
-        "mindspore cannot restore weights and optimizer mid-run, stopping training"
-    ]
+
+class Corrupt(ms.train.Callback):
+    """Blows the weights up at the start of one step, as a bad update would."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def on_train_step_begin(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        if p.cur_step_num + 1 == self.step:  # MindSpore counts the step after this hook
+            weight = p.network.weight
+            weight.set_data(ms.Tensor(weight.asnumpy() * 1e3))
+
+
+class ParamLog(ms.train.Callback):
+    """The train network's parameters (weights and optimizer state) as each step ends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict[str, np.ndarray]] = []
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        network = run_context.original_args().train_network
+        self.seen.append({p.name: p.asnumpy().copy() for p in network.get_parameters()})
+
+
+def test_rollback_restores_the_mindspore_network_and_optimizer_in_place() -> None:
+    ms.set_seed(0)
+    net = nn.Dense(4, 1)
+    optimizer = nn.Momentum(net.trainable_params(), learning_rate=0.01, momentum=0.9)
+    model = ms.train.Model(net, nn.MSELoss(), optimizer)
+    monitor = AnomalyMonitor(
+        detectors={"spike": {"window": 10}}, action={"spike": "rollback"}, rollback_every=10
+    )
+    log = ParamLog()
+    bridge = StepwatchCallback([monitor])
+    model.train(5, _data(), callbacks=[Corrupt(step=26), bridge, log])
+    # The corrupted step 26 is read at step 32: back to the copy of step 20, weights and
+    # momentum alike; then training goes on to its end.
+    assert [a.kind for a in monitor.alerts] == ["spike"] and monitor.rollbacks == 1
+    assert monitor.outcomes[0].startswith("rolled back to step 20")
+    assert bridge.run is not None and bridge.run.rollbacks == [(20, 32)]
+    at_20, after_32 = log.seen[19], log.seen[31]
+    assert set(at_20) == set(after_32) and any("moment" in name for name in at_20)
+    for name, value in at_20.items():
+        np.testing.assert_array_equal(after_32[name], value, err_msg=name)
+    assert len(log.seen) == 5 * STEPS
 
 
 class Boom(Callback):

@@ -39,13 +39,17 @@ class Host:
         optimizer: a torch optimizer, a :class:`HostOptimizer`, or None.
         grads: gradients are on the torch parameters of ``network`` when a step ends.
         restores: rollback may restore ``network`` and ``optimizer`` in place mid-run
-            (through their ``state_dict``); where False, ``'rollback'`` stops instead.
+            (their ``state_dict``, or ``capture``/``restore``); where False, ``'rollback'``
+            stops instead.
         save: writes a checkpoint the host can load to the given path stem and returns the
             file's path (the ``'snapshot'`` action), or None for stepwatch's own checkpoint.
         config: the host's settings, stored with the run (JSON-clean: :func:`clean_config`).
         rank / world: this process's rank and the number of processes.
         loss_scaler: the host's loss scaler (a ``torch.amp.GradScaler``) under mixed precision,
             or None: AnomalyMonitor then expects overflow steps, and rollback restores it.
+        capture / restore: for a host whose state is not torch ``state_dict``s (Keras,
+            MindSpore): ``capture()`` returns a copy of its weights and optimizer state as the
+            host keeps them, ``restore(copy)`` puts one back in place; rollback uses them.
     """
 
     name: str
@@ -58,6 +62,8 @@ class Host:
     rank: int = 0
     world: int = 1
     loss_scaler: Any = None
+    capture: Callable[[], Any] | None = None
+    restore: Callable[[Any], None] | None = None
 
 
 class _LrGroup(dict[str, Any]):

@@ -69,9 +69,9 @@ The actions, on Keras's controls:
   ``keras.models.load_model`` reads. A model whose class is your own loads once that class
   is registered (``keras.saving.register_keras_serializable``); a reduced schedule needs
   this module imported (it registers :class:`ScaledSchedule`).
-- ``'rollback'``: not done. Keras keeps the optimizer's state in its own variables, outside
-  any torch ``state_dict``, so stepwatch cannot put the model and optimizer back in place
-  mid-run: the action stops the run instead, and its alert says so.
+- ``'rollback'``: the model's weights (trainable or not) and the optimizer's variables
+  (its slots, ``iterations`` and learning rate) are copied every ``rollback_every`` steps
+  and assigned back in place; fit goes on with the next batches.
 
 Failures: Keras's ``fit`` has no hook for an exception (no callback runs, and
 ``on_train_end`` is skipped). So the bridge also wraps the model's ``train_function`` while
@@ -353,11 +353,13 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
                 else None
             ),
             grads=not scaled,
-            restores=False,
+            restores=True,
             save=self._save,
             config=clean_config(_config(model, params)),
             rank=rank,
             world=world,
+            capture=lambda: _capture(model),
+            restore=lambda saved: self._restore(model, saved),
         )
         try:
             run = self._bridge.begin(
@@ -423,6 +425,19 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
             for name in ("compute_loss", "train_function"):
                 _unwrap(model, name, self._wrapped.pop(name, None))
         self._wrapped.clear()
+
+    def _restore(self, model: Any, saved: list[Any]) -> None:
+        """Put a :func:`_capture` copy back in place (rollback)."""
+        variables = _variables(model)
+        if len(variables) != len(saved):
+            raise RuntimeError(
+                f"keras.StepwatchCallback: the model has {len(variables)} weights and optimizer "
+                f"variables now and had {len(saved)} when the copy was taken; cannot roll back"
+            )
+        for variable, value in zip(variables, saved):
+            variable.assign(value)
+        if self._rate is not None:
+            self._rate.stale()  # the optimizer's rate came back with it
 
     def _guard(self, inner: Callable[..., Any]) -> Callable[..., Any]:
         def train_function(data: Any) -> Any:
@@ -503,3 +518,14 @@ def _iterations(model: Any) -> int:
         return int(iterations) if iterations is not None else 0
     except (TypeError, ValueError):  # an optimizer not built yet
         return 0
+
+
+def _variables(model: Any) -> list[Any]:
+    """The model's weights (trainable or not) and its optimizer's variables, in order."""
+    optimizer = getattr(model, "optimizer", None)
+    return [*model.weights, *(optimizer.variables if optimizer is not None else [])]
+
+
+def _capture(model: Any) -> list[Any]:
+    """A copy of every weight and optimizer variable, for rollback."""
+    return [v.numpy().copy() for v in _variables(model)]

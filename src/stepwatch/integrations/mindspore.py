@@ -33,8 +33,9 @@ What MindSpore does not give, and what follows:
 - **No gradients.** MindSpore's cb_params holds no gradients, so AnomalyMonitor's gradient
   detectors (explosion, vanishing, dying) are off, with one log note. The loss detectors
   (nonfinite, spike, divergence, plateau) and epoch thresholds work.
-- **No rollback.** stepwatch restores torch state in place; for a MindSpore network the
-  ``'rollback'`` action stops the run instead, and its alert says so.
+- **Rollback** copies every parameter of the train network (the weights and the optimizer's
+  moments, step and learning rate, all MindSpore parameters) every ``rollback_every`` steps
+  and sets them back in place; ``Model.train`` goes on with the next batches.
 - **Dataset sink mode** calls callbacks once per sink, not once per step: each call is
   recorded as one step, with the loss MindSpore hands over.
 
@@ -96,16 +97,19 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         p = run_context.original_args()
         world = int(p.get("device_number", 1) or 1)
         optimizer = p.get("optimizer")
+        train_network = _first(p, "train_network", "network")
         host = Host(
             name="mindspore",
             network=_first(p, "network", "train_network"),
             optimizer=_lr_face(optimizer) if optimizer is not None else None,
             grads=False,
-            restores=False,
+            restores=True,
             save=self._saver(p),
             config=clean_config(_config(p)),
             rank=_rank() if world > 1 else 0,
             world=world,
+            capture=lambda: _capture(train_network),
+            restore=lambda saved: _restore(train_network, saved),
         )
         self._context = run_context
         run = self._bridge.begin(
@@ -241,3 +245,16 @@ def _config(p: Any) -> dict[str, Any]:
         "parallel_mode": p.get("parallel_mode"),
         "device_number": p.get("device_number"),
     }
+
+
+def _capture(network: Any) -> dict[str, np.ndarray]:
+    """A copy of every parameter of the train network - the weights and the optimizer's
+    state (its moments, step and learning rate are parameters too) - for rollback."""
+    return {param.name: param.asnumpy().copy() for param in network.get_parameters()}
+
+
+def _restore(network: Any, saved: dict[str, np.ndarray]) -> None:
+    """Put a :func:`_capture` copy back into the train network's parameters, in place."""
+    for param in network.get_parameters():
+        if param.name in saved:
+            param.set_data(mindspore.Tensor(saved[param.name]))

@@ -212,7 +212,11 @@ class StateKeeper:
     def maybe_keep(self, step: int, cb_params: Any) -> None:
         if step % self.every:
             return
-        state = TrainingState.of(cb_params).capture(rng=False, callbacks=False, copy=True)
+        own = _host_state(cb_params)
+        if own is not None:  # a bridge's host keeps its state its own way (Keras, MindSpore)
+            state = own.capture()
+        else:
+            state = TrainingState.of(cb_params).capture(rng=False, callbacks=False, copy=True)
         self.states = [*self.states[1 - self.keep :], (step, state)]
 
     def tried(self, kind: str) -> int | None:
@@ -233,9 +237,23 @@ class StateKeeper:
         if not self.states:
             return None
         at, state = self.states[-1]
-        TrainingState.of(cb_params).restore(state)
+        own = _host_state(cb_params)
+        if own is not None:
+            own.restore(state)
+        else:
+            TrainingState.of(cb_params).restore(state)
         self._targets[kind] = at
         return at
+
+
+def _host_state(cb_params: Any) -> Any:
+    """A bridge's host controls when they copy and restore the host's state themselves
+    (``capture``/``restore``), else None (stepwatch's TrainingState does it)."""
+    view = cb_params.__dict__.get("run_view")
+    controls = view.controls if view is not None else None
+    if controls is not None and getattr(controls, "capture", None) is not None:
+        return controls
+    return None
 
 
 def host_restores(view: Any) -> bool:
