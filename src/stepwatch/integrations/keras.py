@@ -100,6 +100,7 @@ import torch
 from .._validation import _got
 from ..distributed import rank_and_world
 from ._bridge import Bridge, BridgeFace, Host, HostOptimizer, clean_config, host_values
+from ._keras_state import capture, restore
 
 __all__ = ["ScaledSchedule", "StepwatchCallback"]
 
@@ -358,7 +359,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
             config=clean_config(_config(model, params)),
             rank=rank,
             world=world,
-            capture=lambda: _capture(model),
+            capture=lambda: capture(model),
             restore=lambda saved: self._restore(model, saved),
         )
         try:
@@ -427,15 +428,8 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
         self._wrapped.clear()
 
     def _restore(self, model: Any, saved: list[Any]) -> None:
-        """Put a :func:`_capture` copy back in place (rollback)."""
-        variables = _variables(model)
-        if len(variables) != len(saved):
-            raise RuntimeError(
-                f"keras.StepwatchCallback: the model has {len(variables)} weights and optimizer "
-                f"variables now and had {len(saved)} when the copy was taken; cannot roll back"
-            )
-        for variable, value in zip(variables, saved):
-            variable.assign(value)
+        """Put a :func:`capture` copy back in place (rollback)."""
+        restore(model, saved)
         if self._rate is not None:
             self._rate.stale()  # the optimizer's rate came back with it
 
@@ -518,14 +512,3 @@ def _iterations(model: Any) -> int:
         return int(iterations) if iterations is not None else 0
     except (TypeError, ValueError):  # an optimizer not built yet
         return 0
-
-
-def _variables(model: Any) -> list[Any]:
-    """The model's weights (trainable or not) and its optimizer's variables, in order."""
-    optimizer = getattr(model, "optimizer", None)
-    return [*model.weights, *(optimizer.variables if optimizer is not None else [])]
-
-
-def _capture(model: Any) -> list[Any]:
-    """A copy of every weight and optimizer variable, for rollback."""
-    return [v.numpy().copy() for v in _variables(model)]
