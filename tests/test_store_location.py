@@ -92,6 +92,30 @@ def test_a_password_is_hidden_wherever_it_is_in_the_url() -> None:
     assert hide_password("postgresql://u@h/db") == "postgresql://u@h/db"
     shown = parse_location("postgresql://u:secret@h:notaport/db").shown
     assert "secret" not in shown
+    # A password with an unencoded '/', '?', '#' or '@' (where a URL parser stops early).
+    for raw in ("Se/cret", "Se?cret", "Se#cret", "Se@cret"):
+        assert hide_password(f"postgresql://u:{raw}@h:5/db") == "postgresql://u:***@h:5/db"
+
+
+@pytest.mark.parametrize(
+    "credentials", ["trainer:Se/cret@", "trainer:Se?cret@", "trainer:Se#cret@", "trainer:Se@cret@"]
+)
+def test_the_cli_never_shows_an_odd_password_of_a_store_it_cannot_reach(
+    credentials: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import socket
+
+    pytest.importorskip("psycopg")
+    from stepwatch.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for query in ("", "?password=se%zzcret"):
+        url = f"postgresql://{credentials}127.0.0.1:{port}/runs{query}"
+        assert main(["runs", "--db", url]) == 2
+        err = capsys.readouterr().err
+        assert "cret" not in err and "***" in err, err
 
 
 def _store_with_a_run(path: Path, points: int = 5000) -> None:

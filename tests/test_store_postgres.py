@@ -119,6 +119,34 @@ def test_a_batch_sent_twice_is_stored_once(pg_url: str) -> None:
         assert steps.tolist() == [0, 50, 51, 100]  # two buckets: min and max of each
 
 
+def test_a_run_created_twice_after_a_lost_answer_is_one_run(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psycopg
+
+    from stepwatch.store.backends import postgres_write
+
+    created = postgres_write._create_run
+    lost = [1]
+
+    def answer_lost(conn: Any, *args: Any) -> int:  # committed, then the connection drops
+        run = created(conn, *args)
+        if lost:
+            lost.pop()
+            conn.close()
+            raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return run
+
+    monkeypatch.setattr(postgres_write, "_create_run", answer_lost)
+    writer = RunWriter(pg_url, name="once", flush_seconds=0.05)
+    for step in range(20):
+        writer.log("loss", float(step), step)
+    writer.close(timeout=30)
+    with Store(pg_url) as store:
+        assert [(r.name, r.status) for r in store.runs()] == [("once", "finished")]
+        assert store.metrics(writer.run_id, "loss")[0].tolist() == list(range(20))
+
+
 def _start(url: str, name: str, points: int, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(JOB), url, name, str(points), mode],
@@ -341,7 +369,9 @@ def test_push_copies_local_runs_once_and_a_live_run_again_later(
         assert live.flush()
     finally:
         live.close()
-    later = run_cli("push", "--db", str(db), "--to", pg_url, "--run", "live", timeout=60)
+    live_id = str(live.run_id)  # named twice, by name and by id: pushed once
+    later = run_cli("push", "--db", str(db), "--to", pg_url, "--run", "live", "--run", live_id,
+                    timeout=60)  # fmt: skip
     assert later.returncode == 0 and "100 new points" in later.stdout
     assert "1 run(s) pushed" in later.stdout
     with Store(pg_url) as team:
@@ -382,3 +412,27 @@ def test_runs_filters_by_host_user_and_name_over_postgresql(pg_url: str, tmp_pat
     assert refused.returncode == 2 and "a local store records no users" in refused.stderr
     shown = run_cli("show", "lr=0.2", "--db", pg_url, timeout=60)
     assert shown.returncode == 0 and f"(user {user})" in shown.stdout
+
+
+def test_host_and_name_globs_pick_the_same_runs_as_the_local_store(
+    pg_url: str, tmp_path: Path
+) -> None:
+    from stepwatch.store.base import open_write_backend
+
+    hosts = ["gpu-01.lab", "GPU_02", "node[1]", "x%y\\z", "!bang", "]close"]
+    local = tmp_path / "runs.db"
+    for location in (local, pg_url):
+        backend = open_write_backend(location)
+        try:
+            for i, host in enumerate(hosts):
+                run = backend.create_run(host, "{}", host, 1, float(i))
+                backend.finish(run, "finished", float(i) + 1, 0)
+        finally:
+            backend.close()
+    patterns = ["[!g]*", "*[!0-9]", "[z-a]*", "[!]*", "[[:alpha:]]*", "[^g]*", "*[0-9]",
+                "gpu*", "*.lab", "[]]*", "node[1]", "x%y\\z", "[", "*[", "[a-z]*"]  # fmt: skip
+    with Store(local) as sqlite_store, Store(pg_url) as pg_store:
+        for pattern in patterns:
+            want = [r.name for r in sqlite_store.runs(host=pattern)]
+            assert [r.name for r in pg_store.runs(host=pattern)] == want, pattern
+            assert [r.name for r in pg_store.runs(name=pattern)] == want, pattern

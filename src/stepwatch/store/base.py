@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -122,24 +123,48 @@ def parse_location(location: str | os.PathLike[str] | None, argname: str = "db")
     return Location(kind, text, shown)
 
 
+def _userinfo_span(url: str) -> tuple[int, int] | None:
+    """Where the password of ``url`` sits (``user:PASSWORD@``), or None. The userinfo runs
+    from ``://`` to the last ``@``: a password may hold ``/``, ``?``, ``#`` or ``@`` unencoded,
+    where a URL parser would stop early (and libpq splits at the first ``@``), so this errs
+    on the side of hiding more."""
+    start = url.find("://")
+    if start < 0:
+        return None
+    start += 3
+    at = url.rfind("@")
+    if at < start:
+        return None
+    colon = url.find(":", start, at)
+    return (colon + 1, at) if colon >= 0 else None
+
+
+def secrets_of(url: str) -> set[str]:
+    """The passwords ``url`` holds (in its userinfo or as ``?password=``), raw and decoded."""
+    from urllib.parse import unquote
+
+    found: set[str] = set()
+    span = _userinfo_span(url)
+    if span is not None:
+        found.add(url[span[0] : span[1]])
+    for match in _QUERY_PASSWORD.finditer(url):
+        found.add(match.group(2))
+    # libpq ends the userinfo at the first '@': what follows one in a password lands in its
+    # messages as part of the host name.
+    found |= {part for secret in list(found) for part in secret.split("@")[1:]}
+    return {v for secret in found for v in (secret, unquote(secret)) if v}
+
+
+_QUERY_PASSWORD = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
+
+
 def hide_password(url: str) -> str:
     """``url`` with its password (if any) shown as ``***``: how a store URL appears in every
     message, log line and page."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit
-
-    parts = urlsplit(url)
-    try:
-        password = parts.password
-    except ValueError:  # a malformed port: the netloc is still split at its last '@'
-        password = None
-    if password is not None or ("@" in parts.netloc and ":" in parts.netloc.rsplit("@", 1)[0]):
-        netloc = parts.netloc.rsplit("@", 1)
-        user = netloc[0].split(":", 1)[0]
-        parts = parts._replace(netloc=f"{user}:***@{netloc[1]}")
-    if "password" in parts.query.lower():  # libpq also takes ?password=...
-        query = [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)]
-        parts = parts._replace(query=urlencode(query, safe="*"))
-    return parts.geturl()
+    span = _userinfo_span(url)
+    if span is not None:
+        url = f"{url[: span[0]]}***{url[span[1] :]}"
+    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def _backend(location: Location, argname: str) -> tuple[str, str, str, str]:

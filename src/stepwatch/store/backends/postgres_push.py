@@ -50,6 +50,7 @@ def push_runs(
         )
     with Store(source) as local:
         picked = [local.run(ref) for ref in dict.fromkeys(runs)] if runs else local.runs()
+        picked = list({info.id: info for info in picked}.values())  # by id and by name: once
         try:
             backend = open_write_backend(target)
         except StoreUnreachable as exc:

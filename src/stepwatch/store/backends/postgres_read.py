@@ -55,25 +55,54 @@ ORDER BY r.id
 """
 
 
+_NEVER = "^(?!)"  # a regex that matches nothing
+
+
 def _glob_regex(pattern: str) -> str:
-    """A glob (``*``, ``?``, ``[...]``, as SQLite's GLOB) as an anchored POSIX regex."""
-    out, i = ["^"], 0
-    while i < len(pattern):
+    """A glob as SQLite's GLOB reads it (``*``, ``?``, ``[...]`` with ``[^...]`` negating,
+    a ``]`` first in a set taken as a member, a backwards range matching nothing, an unclosed
+    set matching nothing) as an anchored PostgreSQL regex, so both stores pick the same runs."""
+    out, i, n = ["^"], 0, len(pattern)
+    while i < n:
         c = pattern[i]
         if c == "*":
             out.append(".*")
         elif c == "?":
             out.append(".")
-        elif c == "[" and "]" in pattern[i + 2 :]:
-            end = pattern.index("]", i + 2)
-            body = pattern[i + 1 : end]
-            body = "^" + body[1:] if body.startswith(("!", "^")) else body
-            out.append("[" + body.replace("\\", "\\\\") + "]")
+        elif c == "[":
+            j = i + 1
+            negate = j < n and pattern[j] == "^"
+            j += negate
+            end = pattern.find("]", j + 1 if j < n and pattern[j] == "]" else j)
+            if end < 0:
+                return _NEVER
+            out.append(_glob_set(pattern[j:end], negate))
             i = end
         else:
             out.append("\\" + c if not c.isalnum() else c)
         i += 1
     return "".join(out) + "$"
+
+
+def _glob_set(body: str, negate: bool) -> str:
+    """One ``[...]`` of a glob as a bracket expression (every member escaped)."""
+
+    def esc(ch: str) -> str:
+        return "\\" + ch if not ch.isalnum() else ch
+
+    members, k = [], 0
+    while k < len(body):
+        if k + 2 < len(body) and body[k + 1] == "-":
+            low, high = body[k], body[k + 2]
+            if low <= high:
+                members.append(f"{esc(low)}-{esc(high)}")
+            k += 3
+        else:
+            members.append(esc(body[k]))
+            k += 1
+    if not members:
+        return "." if negate else "(?!)"
+    return "[" + ("^" if negate else "") + "".join(members) + "]"
 
 
 class PostgresStore(Store):

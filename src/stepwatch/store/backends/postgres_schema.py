@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any
 
-from ..base import StoreUnreachable, hide_password
+from ..base import StoreUnreachable, hide_password, secrets_of
 
 __all__: list[str] = []
 
@@ -132,15 +132,9 @@ def psycopg() -> Any:
 
 def scrub(text: str, url: str) -> str:
     """``text`` without the password of ``url`` (nor the URL itself, but its shown form)."""
-    from urllib.parse import unquote, urlsplit
-
     text = text.replace(url, hide_password(url))
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    for secret in {password, unquote(password or "")} - {None, ""}:
-        text = text.replace(str(secret), "***")
+    for secret in sorted(secrets_of(url), key=len, reverse=True):
+        text = text.replace(secret, "***")
     return text
 
 

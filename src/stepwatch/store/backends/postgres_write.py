@@ -18,8 +18,8 @@ writer keeps the records (bounded, then drop-and-count) and the next tries back 
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,7 +111,10 @@ class PostgresWriteBackend(WriteBackend):
 
     # -- the interface ------------------------------------------------------------------------
     def create_run(self, name: str, config_json: str, host: str, pid: int, now: float) -> int:
-        origin = f"live/{uuid.uuid4()}"  # a create sent again returns the same run
+        # The same writer's create sent again (after a lost reply) names the same origin, so
+        # it returns the run it made: the origin is fixed by what the writer fixed once.
+        made = f"{host}|{pid}|{now!r}|{name}|{config_json}".encode()
+        origin = f"live/{hashlib.sha1(made).hexdigest()}"
         row = (name, now, host, current_user(), pid, config_json, now, origin)
         return int(self._call(_create_run, row, "running", False))
 
