@@ -462,3 +462,28 @@ def test_a_fit_resumed_from_a_checkpoint_counts_on_from_it(tmp_path: Path) -> No
         assert store.metrics(recorder.run_id, values.STEP_LOSS)[0].tolist() == list(range(17, 49))
         assert store.metrics(recorder.run_id, values.LOSS)[0].tolist() == [32, 48]
         assert store.run(recorder.run_id).config["epochs"] == 3
+
+
+def test_two_processes_record_one_run_and_stop_together(tmp_path: Path) -> None:
+    """Lightning's DDP on two CPU processes: rank 0 records the one run and prints; rank 1's
+    NaN is seen through the ranks' mean loss and stops every rank at the same step."""
+    import subprocess
+    import sys
+
+    job = Path(__file__).resolve().parent / "jobs" / "lightning_ddp_job.py"
+    db = tmp_path / "runs.db"
+    done = subprocess.run(
+        [sys.executable, str(job), str(db), "20"], capture_output=True, text=True,
+        timeout=240, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    # One set of MindSpore lines (rank 0's), up to the stop.
+    assert done.stdout.count("epoch: 1 step: 8, loss is") == 1
+    with Store(db) as store:
+        (run,) = store.runs()
+        assert (run.name, run.status) == ("ddp", "anomaly")
+        assert run.config["host"] == "lightning"
+        alerts = [e for e in store.events(run.id) if e["kind"] == "alert"]
+        # Lightning's global_step 20 is stepwatch's step 21; the losses are read every 8 steps.
+        assert [(e["step"], e["data"]["kind"]) for e in alerts] == [(21, "nonfinite")]
+        assert store.metrics(run.id, values.STEP_LOSS)[0].tolist() == list(range(1, 25))
