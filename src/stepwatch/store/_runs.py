@@ -9,7 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from .._validation import check_choice, check_int
 from ..monitor import values
+from ._schema import STATUSES
 
 __all__ = ["LossStats", "RunInfo", "effective_status"]
 
@@ -125,3 +127,53 @@ def keep_runs(
     if status is not None:
         items = [item for item in items if info(item).status == status]
     return items[-last:] if last is not None else items
+
+
+def run_filters(
+    status: str | None,
+    last: int | None,
+    texts: Sequence[tuple[str, str, str | None]],
+    *,
+    mark: str,
+    glob: Callable[[str, str], tuple[str, Any]],
+    contains: Callable[[str], str],
+) -> tuple[str, list[Any], str]:
+    """``(where, params, limit)`` SQL for the run filters (on a table called ``runs``), in
+    one backend's dialect.
+
+    Args:
+        status / last: the status and newest-``last`` filters (checked here).
+        texts: ``(argname, column, text or None)`` for each text filter: the runs whose column
+            contains the text, or matches it as a glob when it holds ``*``, ``?`` or ``[``.
+        mark: the dialect's parameter mark (``?``, ``%s``).
+        glob: ``(column, pattern) -> (condition, its parameter)``.
+        contains: ``column -> condition`` with one parameter, the text.
+
+    Raises:
+        TypeError: a text filter that is not a str. ValueError: a bad status or ``last``.
+    """
+    if status is not None:
+        check_choice("status", status, STATUSES)
+    check_int("last", last, minimum=1, allow_none=True)
+    where: list[str] = []
+    params: list[Any] = []
+    for argname, column, text in texts:
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise TypeError(f"'{argname}' must be a str or None, but got {text!r}.")
+        if any(c in text for c in "*?["):
+            condition, param = glob(column, text)
+        else:
+            condition, param = contains(column), text
+        where.append(condition)
+        params.append(param)
+    if status in ("running", "crashed"):
+        # A crashed run is stored as 'running'; its effective status is decided in Python.
+        where.append("runs.status IN ('running', 'crashed')")
+    elif status is not None:
+        where.append(f"runs.status = {mark}")
+        params.append(status)
+    # With a status filter, 'last' applies after the effective status is known.
+    limit = f"LIMIT {int(last)}" if last is not None and status is None else ""
+    return " AND ".join(where) or "1 = 1", params, limit

@@ -18,10 +18,17 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..._validation import check_choice, check_int
+from ..._validation import check_int
 from ...monitor import values
-from .._runs import LEGACY_EPOCH_LOSS, LossStats, RunInfo, _loss_stats, _nan, keep_runs
-from .._schema import STATUSES
+from .._runs import (
+    LEGACY_EPOCH_LOSS,
+    LossStats,
+    RunInfo,
+    _loss_stats,
+    _nan,
+    keep_runs,
+    run_filters,
+)
 from ..base import Store, StoreUnreachable, parse_location
 from .postgres_schema import check_version, connect, psycopg, scrub, stored_version
 from .sqlite_rollup import WIDTHS, bounds, extremes, pick_width
@@ -213,29 +220,14 @@ class PostgresStore(Store):
         host: str | None = None,
         user: str | None = None,
     ) -> tuple[str, list[Any], str]:
-        if status is not None:
-            check_choice("status", status, STATUSES)
-        check_int("last", last, minimum=1, allow_none=True)
-        where, params = ["true"], []
-        for argname, column, text in (("name", "name", name), ("host", "host", host),
-                                      ("user", '"user"', user)):  # fmt: skip
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise TypeError(f"'{argname}' must be a str or None, but got {text!r}.")
-            if any(c in text for c in "*?["):
-                where.append(f"runs.{column} ~ %s")
-                params.append(_glob_regex(text))
-            else:
-                where.append(f"strpos(runs.{column}, %s) > 0")
-                params.append(text)
-        if status in ("running", "crashed"):
-            where.append("runs.status IN ('running', 'crashed')")
-        elif status is not None:
-            where.append("runs.status = %s")
-            params.append(status)
-        limit = f"LIMIT {int(last)}" if last is not None and status is None else ""
-        return " AND ".join(where), params, limit
+        return run_filters(
+            status,
+            last,
+            (("name", "name", name), ("host", "host", host), ("user", '"user"', user)),
+            mark="%s",
+            glob=lambda column, pattern: (f"runs.{column} ~ %s", _glob_regex(pattern)),
+            contains=lambda column: f"strpos(runs.{column}, %s) > 0",
+        )
 
     def runs(
         self,

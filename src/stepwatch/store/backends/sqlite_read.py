@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..._validation import check_choice, check_int
+from ..._validation import check_int
 from ...monitor import values
 from .._runs import (
     LEGACY_EPOCH_LOSS,
@@ -26,8 +26,8 @@ from .._runs import (
     _nan,
     effective_status,
     keep_runs,
+    run_filters,
 )
-from .._schema import STATUSES
 from ..base import Store, parse_location
 from . import sqlite_rollup as _rollup
 from .sqlite_schema import BUSY_TIMEOUT_MS, connect_for_reading, sqlite_uri
@@ -70,10 +70,6 @@ SELECT {_RUN_COLUMNS},
     EXISTS (SELECT 1 FROM points WHERE run = r.id AND key = r.step_loss_key)
 FROM r ORDER BY r.id
 """
-
-
-def _glob(pattern: str) -> bool:
-    return any(c in pattern for c in "*?[")
 
 
 class SQLiteStore(Store):
@@ -156,30 +152,17 @@ class SQLiteStore(Store):
         user: str | None = None,
     ) -> tuple[str, list[Any], str]:
         """``(where, params, limit)`` SQL for the run filters (on a table called ``runs``)."""
-        if status is not None:
-            check_choice("status", status, STATUSES)
-        check_int("last", last, minimum=1, allow_none=True)
         if user is not None:
             raise ValueError(f"'user' {user!r}: a local store records no users (a team store on "
                              "PostgreSQL does); filter by name or host instead.")  # fmt: skip
-        where, params = ["1"], []
-        for argname, text in (("name", name), ("host", host)):
-            if text is None:
-                continue
-            if not isinstance(text, str):
-                raise TypeError(f"'{argname}' must be a str or None, but got {text!r}.")
-            glob = _glob(text)
-            where.append(f"runs.{argname} GLOB ?" if glob else f"instr(runs.{argname}, ?) > 0")
-            params.append(text)
-        if status in ("running", "crashed"):
-            # A crashed run is stored as 'running'; its effective status is decided in Python.
-            where.append("runs.status IN ('running', 'crashed')")
-        elif status is not None:
-            where.append("runs.status = ?")
-            params.append(status)
-        # With a status filter, 'last' applies after the effective status is known.
-        limit = f"LIMIT {int(last)}" if last is not None and status is None else ""
-        return " AND ".join(where), params, limit
+        return run_filters(
+            status,
+            last,
+            (("name", "name", name), ("host", "host", host)),
+            mark="?",
+            glob=lambda column, pattern: (f"runs.{column} GLOB ?", pattern),
+            contains=lambda column: f"instr(runs.{column}, ?) > 0",
+        )
 
     def runs(
         self,
