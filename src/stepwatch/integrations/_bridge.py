@@ -3,8 +3,8 @@
 A bridge is a host trainer's callback holding a :class:`Bridge`. From the host's hooks it
 calls :meth:`Bridge.begin` (the host's network, optimizer and settings, as :class:`Host`),
 :meth:`Bridge.step` after each optimizer step, :meth:`Bridge.epoch_end` with the epoch's
-values, and :meth:`Bridge.end`; after ``step`` and ``epoch_end`` it reads
-:attr:`Bridge.should_stop` and sets the host's own stop flag. The stepwatch callbacks run
+values, and :meth:`Bridge.end`; ``step`` and ``epoch_end`` return whether to stop, and the
+bridge sets the host's own stop flag. The stepwatch callbacks run
 inside a :class:`~stepwatch.train.watched.WatchedRun`, so they see the cb_params and run view
 they see under ``stepwatch.Model``.
 """
@@ -173,11 +173,9 @@ class Bridge:
 
     Args:
         callbacks: a stepwatch Callback or a list of them (checked now).
-        owner: the host callback's name, for messages (``'lightning.StepwatchCallback'``).
     """
 
-    def __init__(self, callbacks: Any, owner: str) -> None:
-        self.owner = owner
+    def __init__(self, callbacks: Any) -> None:
         self.callbacks = normalize_callbacks(callbacks)
         self.run: WatchedRun | None = None  # the run in progress
         self.last: WatchedRun | None = None  # the latest run, in progress or ended
@@ -208,9 +206,8 @@ class Bridge:
         """
         if self.run is not None:  # a run the host never ended (it crashed between fits)
             self.end(RuntimeError("the host started a new run before ending this one"))
-        network = host.network if host.network is not None else None
         run = WatchedRun(
-            network,
+            host.network,
             host.optimizer,
             self.callbacks,
             max(1, int(epochs)),
@@ -258,14 +255,6 @@ class Bridge:
             self.end(exc)
             raise
         return run.should_stop
-
-    @property
-    def should_stop(self) -> bool:
-        return self.run is not None and self.run.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self.run.stop_reason if self.run is not None else None
 
     def end(self, exc: BaseException | None = None) -> None:
         """Close the run: ``on_train_end`` when the host finished, the callbacks' exit with

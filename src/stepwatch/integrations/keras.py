@@ -312,7 +312,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
                     "[...]) next to StepwatchCallback."
                 )
         super().__init__()
-        self._bridge = Bridge(callbacks, _OWNER)
+        self._bridge = Bridge(callbacks)
         self._capture = _LossCapture()
         self._rate: _Rate | None = None
         self._wrapped: dict[str, Any] = {}

@@ -162,7 +162,7 @@ class StepwatchCallback(BridgeFace, pl.Callback):
 
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks, _OWNER)
+        self._bridge = Bridge(callbacks)
         self._pending: list[torch.Tensor] = []
         self._seen_step = 0
         self._accumulate = 1

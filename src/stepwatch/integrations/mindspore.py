@@ -89,7 +89,7 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
 
     def __init__(self, callbacks: Any) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks, "mindspore.StepwatchCallback")
+        self._bridge = Bridge(callbacks)
         self._context: Any = None
 
     # -- MindSpore's hooks ---------------------------------------------------------------------

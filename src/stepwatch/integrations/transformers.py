@@ -147,7 +147,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
 
     def __init__(self, callbacks: Any) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks, "transformers.StepwatchCallback")
+        self._bridge = Bridge(callbacks)
         self._hook: Any = None
         self._args: TrainingArguments | None = None
         self._state: TrainerState | None = None
