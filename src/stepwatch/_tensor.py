@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Tensor", "stack_losses"]
+from ._validation import _got
+
+__all__ = ["Tensor", "check_loss", "stack_losses"]
 
 
 class Tensor(torch.Tensor):
@@ -76,3 +78,22 @@ def _loss_as_float(loss: Any) -> float:
         return float(loss)
     except (TypeError, ValueError, RuntimeError, IndexError):
         return math.nan
+
+
+def check_loss(call: str, loss: Any, what: str) -> None:
+    """Refuse anything but a one-value loss tensor handed to ``call`` (``'run.step()'``).
+
+    Raises:
+        TypeError: ``loss`` is not a torch tensor (``loss.item()`` passed, say); ``what``
+            names what to pass. ValueError: it holds more than one value.
+    """
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"{call}'s 'loss' must be {what}, but got {_got(loss)}; pass the tensor, not "
+            "loss.item()."
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"{call}'s 'loss' must hold one value, but got a tensor of shape "
+            f"{tuple(loss.shape)}; pass the reduced loss (e.g. loss.mean())."
+        )

@@ -90,7 +90,7 @@ import transformers
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .._validation import _got
+from .._tensor import check_loss
 from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 from ._transformers_checkpoint import write_checkpoint
 
@@ -183,16 +183,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         Raises:
             TypeError: ``loss`` is not a torch tensor. ValueError: it holds more than one value.
         """
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"record_loss()'s 'loss' must be the micro-batch's loss tensor, but got "
-                f"{_got(loss)}; pass the tensor, not loss.item()."
-            )
-        if loss.numel() != 1:
-            raise ValueError(
-                f"record_loss()'s 'loss' must hold one value, but got a tensor of shape "
-                f"{tuple(loss.shape)}; pass the reduced loss (e.g. loss.mean())."
-            )
+        check_loss("record_loss()", loss, "the micro-batch's loss tensor")
         if self._bridge.running and torch.is_grad_enabled():  # not an evaluation's loss
             self._recorded = loss.detach()
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._tensor import check_loss
 from .._validation import _got, check_int
 from ..distributed import rank_and_world
 from ..view.run import RunView
@@ -217,16 +218,7 @@ class WatchedRun:
                 else "run.step() was called before the run started: enter it first with "
                 "'with stepwatch.watch(...) as run:'."
             )
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"run.step()'s 'loss' must be the step's loss tensor (the one backward() was "
-                f"called on), but got {_got(loss)}; pass the tensor, not loss.item()."
-            )
-        if loss.numel() != 1:
-            raise ValueError(
-                f"run.step()'s 'loss' must hold one value, but got a tensor of shape "
-                f"{tuple(loss.shape)}; pass the reduced loss (e.g. loss.mean())."
-            )
+        check_loss("run.step()", loss, "the step's loss tensor (the one backward() was called on)")
         if not self._in_epoch:
             self._begin_epoch()
         p, fns = self.cb_params, self._cb_list.fns
