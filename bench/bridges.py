@@ -58,37 +58,23 @@ from torch import nn
 
 from stepwatch import AnomalyMonitor, RunRecorder
 
-BATCH_SIZE = 32
-IN_FEATURES, HIDDEN, CLASSES = 32, 64, 10
-LR = 0.01
-SEED = 0
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overhead
+
+# The workload of bench/overhead.py: the same data, network and settings.
+BATCH_SIZE, IN_FEATURES, HIDDEN, CLASSES = (
+    overhead.BATCH_SIZE,
+    overhead.IN_FEATURES,
+    overhead.HIDDEN,
+    overhead.CLASSES,
+)
+LR, SEED = overhead.LR, overhead.SEED
 GOAL = 0.03  # the bridge's extra time, as a share of the host's own step
 
 EpochRunner = Callable[[], float]  # runs one epoch, returns its seconds
-
-
-@dataclass
-class Data:
-    x: torch.Tensor
-    y: torch.Tensor
-
-    @property
-    def steps(self) -> int:
-        return len(self.x) // BATCH_SIZE
-
-
-def make_data(steps: int) -> Data:
-    generator = torch.Generator().manual_seed(SEED)
-    n = steps * BATCH_SIZE
-    return Data(
-        torch.randn(n, IN_FEATURES, generator=generator),
-        torch.randint(0, CLASSES, (n,), generator=generator),
-    )
-
-
-def make_mlp() -> nn.Module:
-    torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
+Data = overhead.Workload
+make_data = overhead.make_workload
+make_mlp = overhead.make_mlp
 
 
 def stepwatch_callbacks(folder: str) -> list[Any]:
@@ -383,10 +369,13 @@ def report(results: list[Pairs], steps: int) -> None:
             k: v for k, v in shares.items() if k not in ("stepwatch", "alone'", "no-op callback")
         }
         dispatch = shares["no-op callback"]
-        cheaper = [k for k, v in loggers.items() if bridge < v]
+        # Judged by the larger of its cost over the host alone and over a no-op callback (a
+        # host that runs faster with any callback, as Keras here, is judged by the second).
+        judged = max(bridge, bridge - dispatch)
+        cheaper = [k for k, v in loggers.items() if judged < v]
         verdicts.append(
             f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
-            f"{'met' if bridge <= GOAL else 'NOT met'}); noise floor "
+            f"{'met' if judged <= GOAL else 'NOT met'}); noise floor "
             f"{noise * 100:+.1f}%; a no-op callback {dispatch * 100:+.1f}% (the bridge over it: "
             f"{(bridge - dispatch) * 100:+.1f}%); cheaper than "
             f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
