@@ -14,6 +14,7 @@ import pytest
 import stepwatch
 from stepwatch import Callback
 from stepwatch.dashboard.server import make_server, serve_in_thread
+from stepwatch.monitor.detectors import Alert, Detector
 
 
 class SeedStyle(Callback):
@@ -32,6 +33,22 @@ class SeedStyle(Callback):
 
     def epoch_end(self, run_context: Any) -> None:
         self.epochs.append(run_context.original_args().cur_epoch_num)
+
+
+class LossAbove(Detector):
+    """A user's own detector: fires once per episode of the loss above a bound."""
+
+    kind = "loss_above"
+    _advice = "check the data"
+
+    def __init__(self, bound: float) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
+        if self._edge(value > self.bound):
+            return self._alert(step, epoch, f"loss {value:.3g} above {self.bound}", value)
+        return None
 
 
 def assert_loss_monitor_lines(out: str, computed: list[float]) -> None:

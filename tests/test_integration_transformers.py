@@ -28,9 +28,13 @@ from stepwatch import AnomalyMonitor, LossMonitor, ProgressBar, RunRecorder, Sto
 from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.integrations.transformers import StepwatchCallback
 from stepwatch.monitor import values
-from stepwatch.monitor.detectors import Alert, Detector
 
-from .bridge_support import SeedStyle, assert_loss_monitor_lines, assert_stopped_for_anomaly
+from .bridge_support import (
+    LossAbove,
+    SeedStyle,
+    assert_loss_monitor_lines,
+    assert_stopped_for_anomaly,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 N, BATCH = 64, 4  # 16 optimizer steps an epoch
@@ -85,22 +89,6 @@ class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"x": self.x[i], "labels": self.y[i]}
-
-
-class LossAbove(Detector):
-    """Fires once per episode of the loss above a bound."""
-
-    kind = "loss_above"
-    _advice = "check the data"
-
-    def __init__(self, bound: float) -> None:
-        super().__init__()
-        self.bound = bound
-
-    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
-        if self._edge(value > self.bound):
-            return self._alert(step, epoch, f"loss {value:.3g} above {self.bound}", value)
-        return None
 
 
 class Weights(TrainerCallback):

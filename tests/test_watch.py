@@ -16,7 +16,7 @@ import stepwatch
 from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder, Store
 from stepwatch.monitor import values
 
-from .bridge_support import SeedStyle, assert_loss_monitor_lines
+from .bridge_support import LossAbove, SeedStyle, assert_loss_monitor_lines
 
 
 def _data(n: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -229,23 +229,6 @@ def test_the_hand_loop_example_stops_on_its_nan_and_stores_an_anomaly(tmp_path: 
 
 
 def test_a_users_own_detector_is_fed_stored_and_acted_on_like_a_builtin(tmp_path: Path) -> None:
-    from stepwatch.monitor.detectors import Alert, Detector
-
-    class LossAbove(Detector):
-        """Fires once per episode of the loss above a bound."""
-
-        kind = "loss_above"
-        _advice = "check the data"
-
-        def __init__(self, bound: float) -> None:
-            super().__init__()
-            self.bound = bound
-
-        def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
-            if self._edge(value > self.bound):
-                return self._alert(step, epoch, f"loss {value:.3g} above {self.bound}", value)
-            return None
-
     db = tmp_path / "runs.db"
     recorder = RunRecorder(db=db)
     monitor = AnomalyMonitor(
