@@ -31,7 +31,7 @@ from .._runs import (
 )
 from ..base import Store, StoreUnreachable, parse_location
 from .postgres_schema import check_version, connect, psycopg, scrub, stored_version
-from .sqlite_rollup import WIDTHS, bounds, extremes, pick_width
+from .sqlite_rollup import WIDTHS, merge_downsample, pick_width
 
 if TYPE_CHECKING:
     import numpy as np
@@ -362,29 +362,23 @@ class PostgresStore(Store):
         ).fetchone()
         run, key = args[0], args[1]
         align = pick_width(WIDTHS, lo, hi, max_points)
-        found: list[tuple[Any, ...]] = []
-        raw = [(lo, hi)]
-        if align is not None:
-            first, last = -(-lo // align), (hi + 1) // align - 1
-            if first <= last:
-                found = conn.execute(
-                    "SELECT bucket * %s, min_step, min_value, max_step, max_value, nan_step "
-                    "FROM rollups WHERE run = %s AND key = %s AND width = %s "
-                    "AND bucket BETWEEN %s AND %s",
-                    (align, run, key, align, first, last),
-                ).fetchall()
-                raw = [(lo, first * align - 1), ((last + 1) * align, hi)]
-        for a, b in raw:
-            if a <= b:
-                found.extend(
-                    (s, s, v, s, v, None) if v is not None else (s, None, None, None, None, s)
-                    for s, v in conn.execute(
-                        "SELECT step, NULLIF(value, 'NaN') FROM points WHERE run = %s "
-                        "AND key = %s AND step BETWEEN %s AND %s",
-                        (run, key, a, b),
-                    )
-                )
-        return extremes(found, bounds(lo, hi, max_points, align or 1))
+        return merge_downsample(
+            lambda first, last: conn.execute(
+                "SELECT bucket * %s, min_step, min_value, max_step, max_value, nan_step "
+                "FROM rollups WHERE run = %s AND key = %s AND width = %s "
+                "AND bucket BETWEEN %s AND %s",
+                (align, run, key, align, first, last),
+            ).fetchall(),
+            lambda a, b: conn.execute(
+                "SELECT step, NULLIF(value, 'NaN') FROM points WHERE run = %s "
+                "AND key = %s AND step BETWEEN %s AND %s",
+                (run, key, a, b),
+            ),
+            align,
+            lo,
+            hi,
+            max_points,
+        )
 
     def summary(self, run: int | str) -> dict[str, dict[str, float]]:
         """Per metric: ``last``, ``min``, ``max``, ``count`` and the ``last_step``."""

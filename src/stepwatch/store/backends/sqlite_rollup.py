@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any
 
@@ -218,29 +218,51 @@ def downsample(
     """The min/max (and first NaN) rows of each bucket of :func:`bounds` over ``[lo, hi]``, for
     a range whose points all lie in ``[lo, hi]``: whole blocks from the rollups of width
     ``align``, the partial blocks at the two edges from the points."""
-    first = -(-lo // align)  # the first block that starts at or after lo
-    last = (hi + 1) // align - 1  # the last block that ends at or before hi
-    # (step where it lies, min step, min value, max step, max value, first NaN step)
-    found: list[tuple[Any, ...]] = []
-    raw = [(lo, hi)]
-    if first <= last:
-        found = conn.execute(
+    return merge_downsample(
+        lambda first, last: conn.execute(
             "SELECT bucket * ?3, min_step, min_value, max_step, max_value, nan_step FROM rollups "
             "WHERE run = ?1 AND key = ?2 AND width = ?3 AND bucket BETWEEN ?4 AND ?5",
             (run, key, align, first, last),
-        ).fetchall()
-        raw = [(lo, first * align - 1), ((last + 1) * align, hi)]
+        ).fetchall(),
+        lambda a, b: conn.execute(
+            "SELECT step, value FROM points WHERE run = ? AND key = ? AND step BETWEEN ? AND ?",
+            (run, key, a, b),
+        ),
+        align,
+        lo,
+        hi,
+        max_points,
+    )
+
+
+def merge_downsample(
+    rollups: Callable[[int, int], Sequence[tuple[Any, ...]]],
+    points: Callable[[int, int], Iterable[tuple[int, float | None]]],
+    align: int | None,
+    lo: int,
+    hi: int,
+    max_points: int,
+) -> list[tuple[Any, ...]]:
+    """:func:`downsample` over any backend: ``rollups(first, last)`` gives the rollup rows of
+    the whole blocks ``first..last`` of width ``align`` (``(step, min step, min value, max
+    step, max value, first NaN step)``), ``points(a, b)`` the ``(step, value or None for
+    NaN)`` of the points in ``[a, b]``; with ``align`` None every point is read."""
+    # (step where it lies, min step, min value, max step, max value, first NaN step)
+    found: list[tuple[Any, ...]] = []
+    raw = [(lo, hi)]
+    if align is not None:
+        first = -(-lo // align)  # the first block that starts at or after lo
+        last = (hi + 1) // align - 1  # the last block that ends at or before hi
+        if first <= last:
+            found = list(rollups(first, last))
+            raw = [(lo, first * align - 1), ((last + 1) * align, hi)]
     for a, b in raw:
         if a <= b:
             found.extend(
                 (s, s, v, s, v, None) if v is not None else (s, None, None, None, None, s)
-                for s, v in conn.execute(
-                    "SELECT step, value FROM points WHERE run = ? AND key = ? "
-                    "AND step BETWEEN ? AND ?",
-                    (run, key, a, b),
-                )
+                for s, v in points(a, b)
             )
-    return extremes(found, bounds(lo, hi, max_points, align))
+    return extremes(found, bounds(lo, hi, max_points, align or 1))
 
 
 def extremes(found: Sequence[tuple[Any, ...]], edges: list[int]) -> list[tuple[Any, ...]]:
