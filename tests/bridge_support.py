@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import stepwatch
@@ -49,6 +50,15 @@ class LossAbove(Detector):
         if self._edge(value > self.bound):
             return self._alert(step, epoch, f"loss {value:.3g} above {self.bound}", value)
         return None
+
+
+def assert_saw_every_step(user: SeedStyle, computed: list[float]) -> None:
+    """The seed-style callback saw each of 3 epochs of 16 steps, numbered as ``Model.train``
+    numbers them, with the losses the trainer computed."""
+    assert [s for s, _, _ in user.seen] == list(range(1, 49))
+    assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
+    np.testing.assert_allclose([v for _, _, v in user.seen], computed, rtol=1e-6)
+    assert user.epochs == [1, 2, 3]
 
 
 def assert_loss_monitor_lines(out: str, computed: list[float]) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import http.client
 import io
-import json
 import logging
 import math
 import re
@@ -24,7 +22,7 @@ from stepwatch import AnomalyMonitor, Callback, LossMonitor, ProgressBar, RunRec
 from stepwatch.integrations.lightning import StepwatchCallback
 from stepwatch.monitor import values
 
-from .bridge_support import assert_stopped_for_anomaly
+from .bridge_support import assert_saw_every_step, assert_stopped_for_anomaly
 
 pytestmark = [
     # Lightning's own tree helper still builds torch's deprecated LeafSpec.
@@ -150,18 +148,6 @@ def _fit(
     return trainer, net
 
 
-def _get(server: Any, path: str) -> Any:
-    host, port = server.server_address[:2]
-    conn = http.client.HTTPConnection(str(host), int(port), timeout=30)
-    try:
-        conn.request("GET", path)
-        answer = conn.getresponse()
-        assert answer.status == 200, path
-        return json.loads(answer.read())
-    finally:
-        conn.close()
-
-
 def test_a_lightning_fit_is_watched_like_model_train(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -181,10 +167,8 @@ def test_a_lightning_fit_is_watched_like_model_train(
     assert float(lines[0].rsplit(" ", 1)[1]) == pytest.approx(computed[9], rel=1e-6)
     # The user's callback saw every optimizer step, numbered as Model.train numbers them, with
     # the gradients of the step still on the module.
-    assert [s for s, _, _ in user.seen] == list(range(1, 49))
-    assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
-    np.testing.assert_allclose([v for _, _, v in user.seen], computed, rtol=1e-6)
-    assert user.epochs == [1, 2, 3] and all(user.grads)
+    assert_saw_every_step(user, computed)
+    assert all(user.grads)
     assert [line.split(", loss")[0] for line in bar.getvalue().splitlines()] == [
         "epoch 1/3 step 16/16", "epoch 2/3 step 16/16", "epoch 3/3 step 16/16",
     ]  # fmt: skip

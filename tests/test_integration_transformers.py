@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import http.client
 import io
 import json
 import math
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,6 @@ from transformers import (
 )
 
 from stepwatch import AnomalyMonitor, LossMonitor, ProgressBar, RunRecorder, Store
-from stepwatch.dashboard.server import make_server, serve_in_thread
 from stepwatch.integrations.transformers import StepwatchCallback
 from stepwatch.monitor import values
 
@@ -33,6 +30,7 @@ from .bridge_support import (
     LossAbove,
     SeedStyle,
     assert_loss_monitor_lines,
+    assert_saw_every_step,
     assert_stopped_for_anomaly,
 )
 
@@ -172,10 +170,7 @@ def test_a_trainer_run_is_watched_like_model_train(
     out = capsys.readouterr().out
     assert_loss_monitor_lines(out, computed)  # MindSpore's lines, 16 steps an epoch
     # The user's callback saw every optimizer step, numbered as Model.train numbers them.
-    assert [s for s, _, _ in user.seen] == list(range(1, 49))
-    assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
-    np.testing.assert_allclose([v for _, _, v in user.seen], computed, rtol=1e-6)
-    assert user.epochs == [1, 2, 3]
+    assert_saw_every_step(user, computed)
     progress = [line for line in bar.getvalue().splitlines() if line.startswith("epoch ")]
     assert len(progress) == 3 and progress[-1].startswith("epoch 3/3 step 16/16, loss ")
     logged = [e for e in trainer.state.log_history if "loss" in e and "eval_loss" not in e]
@@ -276,36 +271,8 @@ def test_micro_batch_losses_normalised_over_the_step_add_up_as_the_trainer_adds_
         np.testing.assert_allclose(losses, logged, rtol=1e-6)  # the Trainer's own step losses
 
 
-def _get(server: Any, path: str) -> Any:
-    host, port = server.server_address[:2]
-    conn = http.client.HTTPConnection(str(host), int(port), timeout=30)
-    try:
-        conn.request("GET", path)
-        answer = conn.getresponse()
-        assert answer.status == 200
-        return json.loads(answer.read())
-    finally:
-        conn.close()
-
-
-@pytest.fixture
-def dashboard(tmp_path: Path) -> Iterator[Any]:
-    servers: list[Any] = []
-
-    def serve(db: Path) -> Any:
-        server = make_server(db, port=0)
-        servers.append((server, serve_in_thread(server)))
-        return server
-
-    yield serve
-    for server, thread in servers:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
-
-
 def test_a_nan_stops_the_trainer_and_the_run_is_an_anomaly_in_store_and_dashboard(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], dashboard: Any
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     db = tmp_path / "runs.db"
     recorder = RunRecorder(db=db, run_name="nan")

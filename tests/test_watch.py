@@ -16,7 +16,7 @@ import stepwatch
 from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder, Store
 from stepwatch.monitor import values
 
-from .bridge_support import LossAbove, SeedStyle, assert_loss_monitor_lines
+from .bridge_support import LossAbove, SeedStyle, assert_loss_monitor_lines, assert_saw_every_step
 
 
 def _data(n: int = 64, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,10 +70,7 @@ def test_a_hand_written_loop_is_watched_like_model_train(
     out = capsys.readouterr().out
     assert_loss_monitor_lines(out, computed)  # MindSpore's lines, 16 steps an epoch
     # The user's callback saw every step, numbered as Model.train numbers them.
-    assert [s for s, _, _ in user.seen] == list(range(1, 49))
-    assert [e for _, e, _ in user.seen] == [1] * 16 + [2] * 16 + [3] * 16
-    np.testing.assert_allclose([v for _, _, v in user.seen], computed, rtol=1e-6)
-    assert user.epochs == [1, 2, 3]
+    assert_saw_every_step(user, computed)
     assert not run.should_stop and run.stop_reason is None
     with Store(db) as store:
         info = store.run(recorder.run_id)
