@@ -216,19 +216,23 @@ def test_alerts_kept_in_memory_are_the_newest_max_alerts(tmp_path: Any) -> None:
 
 
 def test_rollback_goes_to_an_older_copy_when_the_same_alert_returns() -> None:
-    # The weights are blown up at the end of step 60, after which the copy of step 60 is
-    # taken: the spike shows at step 61, and the first rollback, to the copy of step 60,
-    # brings it back. The second must go to an older copy, and training goes on from there.
-    class BlowUpAtEnd(sw.Callback):
-        def on_train_step_end(self, run_context: Any) -> None:
-            p = run_context.original_args()
-            if p.cur_step_num == 60:
-                with torch.no_grad():
-                    p.train_network[2].weight.mul_(300)
+    # A bad update: the weights are blown up by step 60's optimizer step, so the copy of step
+    # 60 (taken at its end) holds them: the spike shows at step 61, and the first rollback, to
+    # the copy of step 60, brings it back. The second must go to an older copy, and training
+    # goes on from there.
+    model = make_model(lr=0.05)
+    steps = [0]
 
+    def blow_up_at_60(optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps[0] += 1
+        if steps[0] == 60:
+            with torch.no_grad():
+                model.train_network[2].weight.mul_(300)
+
+    model.optimizer.register_step_post_hook(blow_up_at_60)
     monitor = AnomalyMonitor(action={"spike": "rollback"}, rollback_every=10)
     stops = Stops()
-    make_model(lr=0.05).train(4, BATCHES, callbacks=[BlowUpAtEnd(), monitor, stops])
+    model.train(4, BATCHES, callbacks=[monitor, stops])
     spikes = [(a.step, o) for a, o in zip(monitor.alerts, monitor.outcomes) if a.kind == "spike"]
     assert [s for s, _ in spikes] == [61, 65]
     assert spikes[0][1].startswith("rolled back to step 60 (1 of 3)")

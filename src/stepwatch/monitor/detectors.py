@@ -148,8 +148,8 @@ class Spike(Detector):
         self._peak *= self._decay
         if not spike and self._median > 0:
             self._peak = max(self._peak, value / self._median)
-        # the median/MAD are refreshed every window/4 values: O(1) amortised per value
-        if self._since >= self.window // 4 or len(self._level) <= self.warmup:
+        # the median/MAD are refreshed every window/2 values: O(1) amortised per value
+        if self._since >= self.window // 2 or len(self._level) <= self.warmup:
             self._refresh()
         if not self._edge(spike):
             return None
@@ -170,7 +170,7 @@ class Spike(Detector):
         self._peak *= self._decay ** len(values)
         if self._median > 0:
             self._peak = max(self._peak, top / self._median)
-        if self._since >= self.window // 4:
+        if self._since >= self.window // 2:
             self._refresh()
         return []
 
@@ -288,7 +288,7 @@ class Divergence(Detector):
         self._values.extend(values)
         self._seen += n
         self._since += n
-        if self._since >= self.window // 10:
+        if self._since >= self.window // 4:
             self._refresh()
         return []
 
@@ -315,7 +315,7 @@ class Divergence(Detector):
         self._since += 1
         if self._seen <= self.warmup or len(self._values) < self.window:
             return None
-        if self._since >= self.window // 10:
+        if self._since >= self.window // 4:
             self._refresh()
         level = sorted(self._recent)[len(self._recent) // 2]
         best = self._best
@@ -428,10 +428,30 @@ class Plateau(Detector):
         # The common case: a settled EMA, a learning rate above 0, finite values; the stall
         # is checked once, at the batch's end.
         lr = self.lr
-        quiet = not (self._active or self._lr_episode or math.isnan(self._start))
+        quiet = not (self._lr_episode or math.isnan(self._start))
         if not (quiet and values and (lr is None or lr > 0) and math.isfinite(sum(values))):
             return super().update_many(steps, values, epoch)
         alpha, total, weight, history = self.alpha, self._sum, self._weight, self._history
+        if self._active:
+            # In an episode: only the EMA moves, until it falls far enough below the alert's.
+            end = self._fired_at - 2 * self.min_rel_improvement * abs(self._fired_at)
+            for i, value in enumerate(values):
+                total += alpha * (value - total)
+                weight += alpha * (1.0 - weight)
+                if total / weight < end:  # the episode ends here, as update() would see it
+                    self._sum, self._weight, self._zero_lr = total, weight, 0
+                    self._active = False
+                    history.clear()
+                    history.append(total / weight)
+                    first = self._check(steps[i], epoch, history[-1])
+                    rest = (
+                        self.update_many(steps[i + 1 :], values[i + 1 :], epoch)
+                        if i + 1 < len(values)
+                        else []
+                    )
+                    return [first, *rest] if first is not None else rest
+            self._sum, self._weight, self._zero_lr = total, weight, 0
+            return []
         for value in values:
             total += alpha * (value - total)
             weight += alpha * (1.0 - weight)

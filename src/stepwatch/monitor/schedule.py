@@ -12,7 +12,7 @@ import time
 
 from .._validation import check_int, check_number
 
-__all__ = ["Every"]
+__all__ = ["Every", "Pace"]
 
 
 class Every:
@@ -79,3 +79,38 @@ class Every:
 
     def __repr__(self) -> str:
         return f"Every(steps={self.steps or None}, seconds={self.seconds or None})"
+
+
+class Pace:
+    """How many steps ahead a monitor on the step clock should look again, so that its looks
+    come about ``per_period`` times every ``seconds``, whatever the steps' speed: the distance
+    follows the step rate seen since the last look (one step ahead at first, at most
+    ``most``).
+
+    Example:
+        >>> pace = Pace(seconds=0.2)
+        >>> pace.reset(0)
+        >>> pace.ahead(1) >= 1
+        True
+    """
+
+    __slots__ = ("_step", "_time", "most", "per_period", "seconds")
+
+    def __init__(self, seconds: float, per_period: int = 4, most: int = 4096) -> None:
+        self.seconds = check_number("seconds", seconds, minimum=0.0)
+        self.per_period = check_int("per_period", per_period, minimum=1)
+        self.most = check_int("most", most, minimum=1)
+        self._step, self._time = 0, time.perf_counter()
+
+    def reset(self, step: int) -> None:
+        """Count the rate from ``step`` and from now."""
+        self._step, self._time = step, time.perf_counter()
+
+    def ahead(self, step: int) -> int:
+        """Steps from ``step`` to the next look (at least 1)."""
+        now = time.perf_counter()
+        elapsed, done = now - self._time, step - self._step
+        self._step, self._time = step, now
+        if elapsed <= 0 or done <= 0:
+            return 1
+        return max(1, min(self.most, int(done / elapsed * self.seconds / self.per_period)))

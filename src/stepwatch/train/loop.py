@@ -178,9 +178,10 @@ def train_epoch(
 
     Invariants the callbacks and checkpoints rely on:
 
-    * Nothing here reads a value back from the device per step: step losses go into the run
-      view's loss tap as detached tensors, which sums them in chunks (and hands the chunks to
-      the monitors that read them); the one host read is the epoch mean at the end.
+    * Nothing here reads a value back from an accelerator per step: step losses go into the
+      run view's loss tap (a CPU loss as a float, any other as a detached tensor), which sums
+      them in chunks (and hands the chunks to the monitors that read them); the one host
+      read is the epoch mean at the end.
       (The one exception, documented: with loss scaling and a per-step LR schedule, each
       optimizer step reads whether it was skipped, so a skipped step does not advance it.)
     * Gradients are zeroed at the *start* of a step (of an accumulation window), so step-end
@@ -188,10 +189,13 @@ def train_epoch(
     * ``cb_params.progress.trained_step`` is the last step whose backward (and, at a window's
       end, optimizer update) finished; a step that raises half-way is not counted.
     * With no step hooks, cb_params' per-step fields (``cur_step_num``, ``loss_tensor``,
-      ``outputs``, ``train_dataset_element``, ``step_time``) are set once after the loop:
-      nobody can look at them during the epoch, so the loop does only the training.
+      ``outputs``, ``train_dataset_element``, ``step_time``) are set only at the steps where
+      the tap's clock wakes a monitor (:meth:`~stepwatch.view.tap.LossTap.call_at`, a chunk
+      due) and once after the loop: nobody else can look at them during the epoch, so the
+      loop does only the training and one comparison.
     * ``step_time`` covers loading the batch, the step-begin hooks and the step, not the
-      step-end hooks.
+      step-end hooks or the tap's calls; at a step that only the clock sees, it is the mean
+      over the steps since the last one seen.
     * The plain fp32 step (no autocast, scaling, clipping, accumulation or schedule) takes the
       shortest path; the other options add only their own work.
     * A stop requested in a step hook ends the epoch after that step.
@@ -231,7 +235,7 @@ def train_epoch(
     first_step = step = cb_params.cur_step_num
     tap = view_of(cb_params).tap
     tap.begin_epoch(cb_params.cur_epoch_num, step + 1)
-    pending, interval = tap.pending, tap.interval
+    pending = tap.pending
     progress = cb_params.progress
     perf_counter = time.perf_counter
     network.train()
@@ -241,8 +245,9 @@ def train_epoch(
     # The first step of a compiled network includes the compile: timed on its own.
     time_first = opts.forward_network is not None and "compile_seconds" not in cb_params
     epoch_start = last_step_end = perf_counter()
+    last_step = step  # the last step whose fields were set (a hook or a tick saw it)
     batch: Any = None
-    detached: Any = None
+    loss: Any = None
     outputs: Any = None
     grad_norm: Any = None
     stepping = True
@@ -313,24 +318,29 @@ def train_epoch(
                         progress,
                         scheduler,
                     )
-            detached = loss.detach()
-            pending.append(detached)
-            if step % interval == 0:
-                tap.tick()
+            # A plain CPU loss is read at once: that waits for nothing and keeps no tensor
+            # alive. Any other (an accelerator's, a tensor subclass) goes in unread.
+            pending.append(loss.item() if type(loss) is tensor and loss.is_cpu else loss.detach())
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)
             if time_first:
                 time_first = False
                 cb_params.compile_seconds = perf_counter() - last_step_end
-            if hooked:
-                cb_params.step_time = perf_counter() - last_step_end
-                progress.trained_step = step
-                cb_params.loss_tensor = detached
+            if hooked or step >= tap.wake:
+                if not hooked:
+                    cb_params.cur_step_num = step
+                    cb_params.train_dataset_element = batch
+                # Since the last step a hook or a tick saw: this one, or a mean over several.
+                cb_params.step_time = (perf_counter() - last_step_end) / (step - last_step)
+                progress.trained_step = last_step = step
+                cb_params.loss_tensor = loss.detach()
                 cb_params.outputs = outputs.detach() if type(outputs) is tensor else outputs
                 if not plain:
                     cb_params.optimizer_stepped = stepping
                     cb_params.grad_norm = grad_norm if stepping else None
+                if step >= tap.wake:
+                    tap.tick()  # the monitors' looks asked for at this step
                 for fn in step_end:
                     fn(run_context)
                 last_step_end = perf_counter()  # the hooks' time is not the next step's
@@ -340,11 +350,11 @@ def train_epoch(
         cb_list.annotate(exc)  # names the callback, if one raised it
         raise
     steps = step - first_step
-    if steps and not hooked:
+    if steps and not hooked and last_step < step:
         cb_params.cur_step_num = progress.trained_step = step
         cb_params.train_dataset_element = batch
         cb_params.step_time = (perf_counter() - epoch_start) / steps
-        cb_params.loss_tensor = detached
+        cb_params.loss_tensor = loss.detach()
         cb_params.outputs = outputs.detach() if type(outputs) is tensor else outputs
         if not plain:
             cb_params.optimizer_stepped = stepping

@@ -237,7 +237,6 @@ class WatchedRun:
         p.cur_step_num = p.progress.trained_step = step
         p.train_dataset_element = batch
         detached = loss.detach()
-        self.view.tap.push(detached)
         p.loss_tensor = detached
         p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
         now = time.perf_counter()
@@ -245,9 +244,13 @@ class WatchedRun:
         rolled = self.view.rollbacks
         seen = len(rolled)
         try:
-            # The step has already run: its begin hooks see it just before its end hooks.
+            # The step has already run: its begin hooks see it just before the tap's calls
+            # due at it (a plain CPU loss goes in as a float: reading it waits for nothing)
+            # and its end hooks.
             for fn in fns["on_train_step_begin"]:
                 fn(self.run_context)
+            plain = type(detached) is torch.Tensor and detached.is_cpu
+            self.view.tap.push(detached.item() if plain else detached)
             for fn in fns["on_train_step_end"]:
                 fn(self.run_context)
         except BaseException as exc:

@@ -1,15 +1,24 @@
-"""The loss tap: the one buffer of a run's step losses.
+"""The loss tap: the one buffer of a run's step losses, and the run's step clock.
 
-Whatever trains pushes each step's loss tensor (detached, on its device) into the tap; every
-monitor that needs step losses (``History``, ``PlotMonitor``, ``RunRecorder``,
-``AnomalyMonitor``, ``ProgressBar``) reads them from here instead of keeping its own list.
+Whatever trains pushes each step's loss into the tap; every monitor that needs step losses
+(``History``, ``PlotMonitor``, ``RunRecorder``, ``AnomalyMonitor``, ``ProgressBar``) reads them
+from here instead of keeping its own list. A loss on the CPU is pushed as a Python float
+(reading a CPU tensor waits for nothing, and a float keeps no tensor alive); a loss on an
+accelerator as the detached tensor, never read on the step that made it.
 
-The tap cuts its buffer into :class:`Chunk` s at the shortest interval any subscriber asks for:
-one ``torch.stack`` per chunk, folded into the epoch's loss sum on the device, and, when
-somebody reads values, one copy to the host (non-blocking on CUDA, with an event that says when
-it has landed). Chunks are cut at multiples of the interval (step 8, 16, ... for an interval of
-8), so every rank of a distributed run cuts at the same steps even when one rank flushes early.
-A step with no chunk due costs a list append.
+The tap cuts its buffer into :class:`Chunk` s at the shortest interval any subscriber asks for.
+Chunks are cut at multiples of the interval (step 8, 16, ... for an interval of 8), so every
+rank of a distributed run cuts at the same steps even when one rank flushes early. A chunk of
+floats costs a list copy; a chunk of device tensors one ``torch.stack``, folded into the
+epoch's loss sum on the device, and, when somebody reads values, one copy to the host
+(non-blocking on CUDA, with an event that says when it has landed).
+
+The tap is also the run's step clock: a monitor that must look at the training state at some
+step (the gradients every 25 steps, a copy of the weights every 50, a progress line once a
+second) asks for it with :meth:`LossTap.call_at` instead of a step hook. The host compares its
+step with :attr:`LossTap.wake` once per step and calls :meth:`LossTap.tick` when it is reached,
+with ``cb_params`` filled for that step; a step with nothing due costs a list append and that
+comparison.
 """
 
 from __future__ import annotations
@@ -24,9 +33,13 @@ from .._tensor import stack_losses
 
 __all__ = ["DEFAULT_INTERVAL", "Chunk", "LossTap"]
 
-# With nobody reading step losses, the buffer is folded into the epoch sum every this many
-# steps: one stack and one add on the device per 256 steps.
+# With nobody reading step losses, the buffer is cut (and folded into the epoch sum) every
+# this many steps.
 DEFAULT_INTERVAL = 256
+# Rounds of calls made at one tick (a call asking for another at the same step); the rest
+# wait for the next step.
+_ROUNDS = 4
+_NEVER = 1 << 62
 
 
 class Chunk:
@@ -35,36 +48,49 @@ class Chunk:
     Attributes:
         steps: the global steps (a ``range``).
         epoch: the epoch they belong to.
-        device: the losses as one 1-D float32 tensor on the training device.
-        host: the same on the CPU, possibly still being copied (until ``ready`` completes).
+        host: the losses on the host: a list of floats, or a 1-D float32 CPU tensor possibly
+            still being copied (until ``ready`` completes). Read, never modify: every
+            subscriber gets the same chunk.
         ready: the CUDA event recorded after the copy, or None (the copy is done).
         span: ``(start, end)`` wall times of the chunk's steps.
     """
 
-    __slots__ = ("device", "epoch", "host", "ready", "span", "steps")
+    __slots__ = ("_device", "epoch", "host", "ready", "span", "steps")
 
     def __init__(
         self,
         steps: range,
         epoch: int,
-        device: torch.Tensor,
-        host: torch.Tensor | None,
+        device: torch.Tensor | None,
+        host: Any,
         ready: Any,
         span: tuple[float, float],
     ) -> None:
-        self.steps, self.epoch, self.device, self.host = steps, epoch, device, host
+        self.steps, self.epoch, self._device, self.host = steps, epoch, device, host
         self.ready, self.span = ready, span
 
     def __len__(self) -> int:
         return len(self.steps)
 
+    @property
+    def device(self) -> torch.Tensor:
+        """The losses as one 1-D float32 tensor on the training device (a CPU tensor for a
+        chunk of floats, built on first use)."""
+        if self._device is None:
+            self._device = torch.tensor(self.host, dtype=torch.float32)
+        return self._device
+
     def values(self) -> list[float]:
         """The losses as Python floats (waits for the host copy if it is still on its way)."""
+        host = self.host
+        if type(host) is list:
+            return host
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
-        host = self.host if self.host is not None else self.device.cpu()
-        return host.tolist()
+        if host is None:
+            host = self.host = self.device.cpu()
+        return host.tolist()  # type: ignore[no-any-return]
 
     def __repr__(self) -> str:
         return f"Chunk(steps={self.steps.start}..{self.steps.stop - 1}, epoch={self.epoch})"
@@ -74,32 +100,37 @@ Subscriber = Callable[[Chunk], Any]
 
 
 class LossTap:
-    """The run's step losses, in one device buffer.
+    """The run's step losses, in one buffer, and its step clock.
 
     Args:
         interval: the chunk interval with no subscriber (default 256).
 
     The host side pushes with :meth:`push` (or a loop appends to :attr:`pending`, which stays
-    the same list, and calls :meth:`tick` when ``step % interval == 0``); monitors
+    the same list, and calls :meth:`tick` once its step reaches :attr:`wake`); monitors
     :meth:`subscribe` with the interval they need and get every chunk handed to them as it is
-    cut.
+    cut, and ask for a call at a step with :meth:`call_at`.
     """
 
     def __init__(self, interval: int = DEFAULT_INTERVAL) -> None:
-        self._base = 1 << (interval.bit_length() - 1)
-        self.interval = self._base  # the host calls tick() at the multiples of this
+        self._base = _power_of_two(interval)
+        self.interval = self._base  # the subscribers' looks fall on multiples of this
         self.every = self._base  # a chunk is cut at the multiples of this
         self.pending: list[Any] = []
         self.next_step = 1  # the global step of pending[0]
         self.epoch = 0
-        self.total: torch.Tensor | None = None  # the epoch's loss sum so far, on the device
-        # Chunks not summed into total yet: folded together every DEFAULT_INTERVAL steps, so a
-        # small chunk costs one stack, not a stack, a sum and an add.
+        self.wake = self._base  # the host calls tick() once its step reaches this
+        self._sum = 0.0  # the epoch's sum of float losses
+        self._epoch_first = 1  # the epoch's first step
+        self.total: torch.Tensor | None = None  # the epoch's sum of device losses so far
+        # Device chunks not summed into total yet: folded together every DEFAULT_INTERVAL
+        # steps, so a small chunk costs one stack, not a stack, a sum and an add.
         self._unsummed: list[torch.Tensor] = []
         self._unsummed_steps = 0
         self.last: Any = None  # the newest loss cut into a chunk
         self._subscribers: list[tuple[int, int, Subscriber, Callable[[], bool] | None]] = []
         self._dues: list[Callable[[], bool]] = []
+        self._timers: list[tuple[int, Callable[[int], Any]]] = []
+        self._soonest = _NEVER  # the earliest step in _timers
         self._span_start = time.time()
 
     # -- subscribing ----------------------------------------------------------------------------
@@ -115,8 +146,7 @@ class LossTap:
         multiples of ``every`` rounded down to a power of two) and at each epoch's end.
 
         ``due``, asked every ``look_every`` steps (a power of two too), may ask for a chunk
-        early (a recorder whose flush period has passed on slow steps): a look costs a call,
-        a chunk costs a stack and a sum on the device.
+        early (a recorder whose flush period has passed on slow steps): a look costs a call.
         """
         if every < 1:
             raise ValueError(f"'every' must be an int >= 1, but got {every!r}.")
@@ -127,39 +157,79 @@ class LossTap:
         self._subscribers.append((every, look, fn, due))
         self._retune()
 
-    def unsubscribe(self, fn: Subscriber) -> None:
-        self._subscribers = [entry for entry in self._subscribers if entry[2] != fn]
+    def unsubscribe(self, fn: Callable[..., Any]) -> None:
+        """Stop handing chunks to ``fn``, and drop the calls asked for of ``fn``, or of any
+        method of ``fn`` when it is the object that subscribed (``tap.unsubscribe(self)``)."""
+
+        def gone(each: Callable[..., Any]) -> bool:
+            return each == fn or getattr(each, "__self__", None) is fn
+
+        self._subscribers = [entry for entry in self._subscribers if not gone(entry[2])]
+        self._timers = [entry for entry in self._timers if not gone(entry[1])]
         self._retune()
+
+    def call_at(self, step: int, fn: Callable[[int], Any]) -> None:
+        """Call ``fn(step)`` once, at the end of global step ``step`` (the next step when that
+        one has passed): after its loss was pushed, with ``cb_params`` filled for it and the
+        step's gradients still on the parameters. ``fn`` may ask again from there."""
+        self._timers.append((step, fn))
+        self._soonest = min(self._soonest, step)
+        if step < self.wake:
+            self.wake = max(step, self.pushed_step + 1)
 
     def _retune(self) -> None:
         subs = self._subscribers
         self.every = min([self._base, *(e for e, _, _, _ in subs)])
         self.interval = min([self.every, *(look for _, look, _, _ in subs)])
         self._dues = [due for _, _, _, due in subs if due is not None]
+        self._rewake()
+
+    def _rewake(self) -> None:
+        step = self.pushed_step
+        wake = (step // self.interval + 1) * self.interval
+        soonest = min([at for at, _ in self._timers], default=_NEVER)
+        self._soonest = soonest
+        self.wake = max(min(wake, soonest), step + 1)
 
     # -- the host side ----------------------------------------------------------------------------
     def begin_epoch(self, epoch: int, next_step: int) -> None:
         """A new epoch starts; its first step is ``next_step``."""
         self.cut()
         self.epoch, self.next_step, self.total = epoch, next_step, None
+        self._epoch_first, self._sum = next_step, 0.0
         self._unsummed, self._unsummed_steps = [], 0
+        self._rewake()
 
     def push(self, loss: Any) -> None:
-        """Add the next step's loss (a detached tensor); cut a chunk when one is due."""
+        """Add the next step's loss (a float, or a detached tensor); :meth:`tick` when due."""
         pending = self.pending
         pending.append(loss)
-        if (self.next_step + len(pending) - 1) % self.interval == 0:
+        if self.next_step + len(pending) - 1 >= self.wake:
             self.tick()
 
     def tick(self) -> None:
-        """Called by the host at the multiples of :attr:`interval`: cut a chunk at the
-        multiples of :attr:`every`, or when a subscriber's ``due`` asks for one."""
-        if self.pushed_step % self.every == 0 or any(due() for due in self._dues):
+        """Called by the host once its step reaches :attr:`wake`: cut a chunk at the multiples
+        of :attr:`every` (or when a subscriber's ``due`` asks for one), then make the calls
+        asked for up to this step."""
+        step = self.pushed_step
+        if step % self.interval == 0 and (
+            step % self.every == 0 or any(due() for due in self._dues)
+        ):
             self.cut()
+        for _ in range(_ROUNDS):  # a call may ask for another at this step: make it too
+            timers = self._timers
+            if not timers or self._soonest > step:
+                break
+            self._timers = [entry for entry in timers if entry[0] > step]
+            self._soonest = min([at for at, _ in self._timers], default=_NEVER)
+            for at, fn in timers:
+                if at <= step:
+                    fn(step)
+        self._rewake()
 
     @property
     def latest(self) -> Any:
-        """The newest step loss (a device tensor), or None before the first step."""
+        """The newest step loss (a float or a device tensor), or None before the first."""
         return self.pending[-1] if self.pending else self.last
 
     @property
@@ -175,19 +245,28 @@ class LossTap:
         first = self.next_step
         self.next_step = first + len(pending)
         self.last = pending[-1]
-        device = stack_losses(pending)
+        values = pending[:]
         pending.clear()  # the same list: a loop may hold it
-        self._unsummed.append(device)
-        self._unsummed_steps += len(device)
-        if self._unsummed_steps >= DEFAULT_INTERVAL:
-            self._fold()
+        device: torch.Tensor | None = None
+        host: Any = values
+        ready = None
+        # A float when every loss is one (a tensor among them makes it a tensor).
+        total = sum(values) if type(values[0]) is float and type(values[-1]) is float else None
+        if type(total) is float:
+            self._sum += total
+        else:
+            device = stack_losses(values)
+            self._unsummed.append(device)
+            self._unsummed_steps += len(device)
+            if self._unsummed_steps >= DEFAULT_INTERVAL:
+                self._fold()
+            host = device
+            if device.is_cuda and self._subscribers:
+                host = device.to("cpu", non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
         if not self._subscribers:
             return None
-        host, ready = device, None
-        if device.is_cuda:
-            host = device.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
         now = time.time()
         chunk = Chunk(range(first, self.next_step), self.epoch, device, host, ready,
                       (self._span_start, now))  # fmt: skip
@@ -204,12 +283,16 @@ class LossTap:
         self.total = part if self.total is None else self.total + part
         self._unsummed, self._unsummed_steps = [], 0
 
-    def end_epoch(self) -> torch.Tensor | None:
-        """Cut what waits and return the epoch's loss sum (a device tensor), or None."""
+    def end_epoch(self) -> Any:
+        """Cut what waits and return the epoch's loss sum (a float, or a device tensor when
+        the losses were), or None when no step ran."""
         self.cut()
         self._fold()
         total, self.total = self.total, None
-        return total
+        host, self._sum = self._sum, 0.0
+        if total is None:
+            return host if self.next_step > self._epoch_first else None
+        return total + host if host else total
 
 
 def _power_of_two(n: int) -> int:

@@ -46,6 +46,8 @@ class Acting:
     _undone: int
     _inflight: deque[tuple[Any, ...]]
     _block: list[Any]
+    _slow_wait: list[Any]
+    _slow_count: int
     detectors: list[Detector]
 
     def _raise(self, alert: Alert, run_context: RunContext, act: bool = True) -> None:
@@ -112,6 +114,7 @@ class Acting:
         self._undone = p.cur_step_num
         self._inflight.clear()
         self._block = []
+        self._slow_wait, self._slow_count = [], 0
         for detector in self.detectors:
             restart = getattr(detector, "restart_level", None)
             if restart is not None:

@@ -109,15 +109,17 @@ class GradStats:
         self.params = [p for _, p in layers]
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
 
-    def measure(self) -> torch.Tensor | None:
-        """``[norms..., live rows...]`` on the device (a live row has a non-zero gradient
-        somewhere), or None when some layer has no gradient yet."""
+    def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
+        """``[norms..., live rows..., extra...]`` on the device in one tensor (a live row has
+        a non-zero gradient somewhere), or None when some layer has no gradient yet.
+        ``extra``: more single values to pack with them (float32, on the same device)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or len(grads) < len(self.params):
             return None
-        norms = torch.stack(torch._foreach_norm(grads))
-        live = [g.reshape(r, -1).any(1).sum(dtype=norms.dtype) for g, r in zip(grads, self.rows)]
-        return torch.cat((norms, torch.stack(live)))
+        norms = torch._foreach_norm(grads)
+        dtype = norms[0].dtype
+        live = [g.reshape(r, -1).any(1).sum(dtype=dtype) for g, r in zip(grads, self.rows)]
+        return torch.stack([*norms, *live, *(e.to(norms[0].device, dtype) for e in extra)])
 
     def split(self, values: Sequence[float]) -> tuple[float, list[float], list[float]]:
         """``(global norm, norms, dead fractions)`` from the measured values."""
@@ -171,15 +173,14 @@ class ActivationStats:
             prev = self._seen.get(index)
             self._seen[index] = frac if prev is None else torch.maximum(prev, frac)
 
-    def take(self, measured: torch.Tensor) -> torch.Tensor:
-        """``measured`` with the fractions appended when every module was seen; the hooks
-        are removed."""
+    def take(self) -> list[torch.Tensor]:
+        """The fractions (one 0-d tensor per module) when every module was seen, else none;
+        the hooks are removed."""
         self.disarm()
         seen, self._seen = self._seen, {}
         if len(seen) < len(self.modules):
-            return measured
-        fractions = torch.stack([seen[i] for i in range(len(self.modules))])
-        return torch.cat((measured, fractions.to(measured.device, measured.dtype)))
+            return []
+        return [seen[i] for i in range(len(self.modules))]
 
 
 def classes_of(loss_fn: Any, outputs: Any) -> int | None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import math
 import warnings
 from collections import deque
 from pathlib import Path
@@ -43,10 +42,10 @@ from ._anomaly_actions import (
     StateKeeper,
     check_actions,
     check_snapshot_dir,
-    classes_of,
     host_restores,
     note_no_gradients,
 )
+from ._anomaly_clock import Clock
 from ._callback import ORDER_STEER, Callback, RunContext
 
 __all__ = ["AnomalyMonitor"]
@@ -58,13 +57,16 @@ _D = TypeVar("_D", bound=Detector)
 # end): an alert is read at most this many steps after its step.
 READ_EVERY = 8
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
+# The trend detectors are fed every this many steps (and at each epoch's end).
+SLOW_EVERY = 64
+_SLOW_KINDS = frozenset({"plateau", "not_learning", "lr_negligible", "recurring_batch"})
 _LOSS_KINDS = frozenset(
     {"nonfinite", "spike", "divergence", "plateau", "not_learning", "lr_negligible",
      "recurring_batch"}
 )  # fmt: skip
 
 
-class AnomalyMonitor(Acting, Callback):
+class AnomalyMonitor(Acting, Clock, Callback):
     """Watch the loss and the gradients for signs of trouble, tell the user what was seen and
     what to try, and act on it.
 
@@ -180,6 +182,10 @@ class AnomalyMonitor(Acting, Callback):
             or d.kind not in DETECTORS
             or (isinstance(d, Threshold) and d.name in _STEP_NAMES)
         ]
+        # Read every chunk (the sudden kinds, a user's own); the trend kinds every SLOW_EVERY
+        # steps, in one call: a plateau or a run that does not learn shows over hundreds.
+        self._slow = [d for d in self._step_detectors if d.kind in _SLOW_KINDS]
+        self._fast = [d for d in self._step_detectors if d.kind not in _SLOW_KINDS]
         self._epoch_thresholds = [
             d for d in self.detectors if isinstance(d, Threshold) and d.name not in _STEP_NAMES
         ]
@@ -219,14 +225,18 @@ class AnomalyMonitor(Acting, Callback):
         self.outcomes = []
         self.rollbacks = 0
         self._view: RunView | None = None
-        self._feed = False
+        self._run_context: RunContext | None = None
+        self._looking = False  # a look at the waiting values is asked for
         self._groups: Any = None
         self._lr_changes: list[tuple[int, float]] = []  # (first step, rate), for plateau
-        self._grad_due = 0
+        self._grad_due = 0  # the step of the next gradient measurement
         # What waits to be read, in order: ("loss", chunk) and ("grad", step, epoch, host,
         # ready); in a distributed run, the chunks of the block not yet reduced across ranks.
         self._inflight: deque[tuple[Any, ...]] = deque()
         self._block: list[Chunk] = []
+        # (steps, losses, epoch) not yet shown to the trend detectors, and how many steps
+        self._slow_wait: list[tuple[list[int], list[float], int]] = []
+        self._slow_count = 0
         self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
         self._acts: ActivationStats | None = None
@@ -271,11 +281,11 @@ class AnomalyMonitor(Acting, Callback):
             self._groups = optimizer.param_groups
         # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
         self._scaled = p.get("loss_scaler") is not None
-        # A cb_params built by hand has nobody pushing losses into the tap: push them here.
-        self._feed = not view.fed
         if view.rank == 0 and self.snapshot_dir.is_dir():
             remove_stale_temporaries(self.snapshot_dir, "anomaly-")  # a killed snapshot write
+        self._run_context = run_context
         view.tap.subscribe(READ_EVERY, self._take)
+        self._start_clock()
         self._thresholds_seen = set()
         self._last_values = set()
         evals = [d.name for d in self._epoch_thresholds if d.name.startswith("eval_")]
@@ -300,42 +310,18 @@ class AnomalyMonitor(Acting, Callback):
             )
 
     def _take(self, chunk: Chunk) -> None:
+        """A chunk of step losses from the tap: queue it, and look at it at its last step."""
+        groups = self._groups
+        if groups is not None:  # the rate as of the chunk's last step (read once a chunk)
+            lr = groups[0]["lr"]
+            changes = self._lr_changes
+            if not changes or changes[-1][1] != lr:
+                changes.append((chunk.steps[-1], lr))
         if self._world > 1:
             self._block.append(chunk)  # reduced across ranks at the block's end
         else:
             self._inflight.append(("loss", chunk))
-
-    def on_train_step_end(self, run_context: RunContext) -> None:
-        p = run_context.cb_params
-        step = p.cur_step_num
-        if self._feed:
-            assert self._view is not None
-            self._view.tap.push(p.loss_tensor)
-        groups = self._groups
-        if groups is not None:
-            lr = groups[0]["lr"]
-            changes = self._lr_changes
-            if not changes or changes[-1][1] != lr:
-                changes.append((step, lr))
-        if self._want_classes:
-            self._find_classes(p)
-        stats = self._stats
-        if stats is not None and step >= self._grad_due and p.get("optimizer_stepped", True):
-            measured = stats.measure()
-            if measured is not None:
-                self._grad_due = step + self.grad_every_n_steps
-                acts = self._acts
-                if acts is not None:  # the saturated fractions of this step's forward pass
-                    measured = acts.take(measured)
-                self._ship_grads(step, p.cur_epoch_num, measured)
-        if self._acts is not None and step + 1 >= self._grad_due:
-            self._acts.arm()  # hooks for the next forward pass only
-        if self._keeper is not None:
-            self._keeper.maybe_keep(step, p)
-        if self._block and self._block[-1].steps[-1] % READ_EVERY == 0:
-            self._reduce_block()
-        if self._inflight:
-            self._drain(run_context, block=False)
+        self._look_at(chunk.steps[-1])
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
@@ -374,14 +360,15 @@ class AnomalyMonitor(Acting, Callback):
                 stacklevel=2,
             )
         if self._view is not None:
-            self._view.tap.unsubscribe(self._take)
+            self._view.tap.unsubscribe(self)  # its chunks and its calls
         if self._acts is not None:
             self._acts.disarm()  # no hook left on the network
 
     def __exit__(self, *err: Any) -> None:
         if self._view is not None:
-            self._view.tap.unsubscribe(self._take)
+            self._view.tap.unsubscribe(self)
             self._view = None
+        self._run_context = None
         if self._acts is not None:
             self._acts.disarm()
         self._inflight.clear()  # no device tensors kept alive after the run
@@ -395,14 +382,8 @@ class AnomalyMonitor(Acting, Callback):
         self._reduce_block()
         self._drain(run_context, block=True)
 
-    def _ship_grads(self, step: int, epoch: int, measured: torch.Tensor) -> None:
-        """Queue one host transfer of a gradient measurement (non-blocking on CUDA)."""
-        ready = None
-        if measured.is_cuda:
-            measured = measured.to("cpu", non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        self._inflight.append(("grad", step, epoch, measured, ready))
+    def _block_due(self) -> bool:
+        return bool(self._block) and self._block[-1].steps[-1] % READ_EVERY == 0
 
     def _reduce_block(self) -> None:
         """Distributed: the block's losses averaged over the ranks, in one all_reduce (every
@@ -428,10 +409,29 @@ class AnomalyMonitor(Acting, Callback):
                 alerts = self._detect_losses(item[1])
             else:
                 alerts = self._detect_grads(item[1], item[2], item[3], item[4])
-            rollbacks = self.rollbacks
-            for alert in sorted(alerts, key=lambda a: a.step):
-                # after a rollback, what the same batch still holds came from the undone steps
-                self._raise(alert, run_context, act=self.rollbacks == rollbacks)
+            self._raise_all(alerts, run_context)
+        if self._slow_count >= SLOW_EVERY or (block and self._slow_count):
+            self._raise_all(self._feed_slow(), run_context)
+
+    def _raise_all(self, alerts: list[Alert], run_context: RunContext) -> None:
+        rollbacks = self.rollbacks
+        for alert in sorted(alerts, key=lambda a: a.step):
+            # after a rollback, what the same batch still holds came from the undone steps
+            self._raise(alert, run_context, act=self.rollbacks == rollbacks)
+
+    def _feed_slow(self) -> list[Alert]:
+        """The trend detectors' share: every step loss since they last looked, in one call
+        per epoch."""
+        waiting, self._slow_wait, self._slow_count = self._slow_wait, [], 0
+        alerts: list[Alert] = []
+        for steps, losses, epoch in waiting:
+            lrs = self._rates(steps) if self._groups is not None else None
+            for detector in self._slow:
+                if detector is self._plateau or detector is self._lr_low:
+                    alerts.extend(detector.update_many(steps, losses, epoch, lrs))
+                else:
+                    alerts.extend(detector.update_many(steps, losses, epoch))
+        return alerts
 
     def _detect_losses(self, chunk: Chunk) -> list[Alert]:
         steps, losses = chunk.steps, chunk.values()
@@ -448,28 +448,21 @@ class AnomalyMonitor(Acting, Callback):
         history["step"].extend(steps)
         history["loss"].extend(losses)
         alerts: list[Alert] = []
-        lrs = self._rates(steps) if self._groups is not None else None
         if self._chance is not None and self._chance.start is None:
             self._chance.see_start(losses)
-        for detector in self._step_detectors:
-            if detector is self._plateau or detector is self._lr_low:
-                alerts.extend(detector.update_many(steps, losses, epoch, lrs))
+        for detector in self._fast:
+            alerts.extend(detector.update_many(steps, losses, epoch))
+        if self._slow:
+            waiting = self._slow_wait
+            if waiting and waiting[-1][2] == epoch:
+                waiting[-1][0].extend(steps)
+                waiting[-1][1].extend(losses)
             else:
-                alerts.extend(detector.update_many(steps, losses, epoch))
+                waiting.append(([*steps], [*losses], epoch))
+            self._slow_count += len(steps)
         if alerts:
-            self._grad_due = 0  # trouble in the loss: look at the gradients at once
+            self._grads_now()  # trouble in the loss: look at the gradients at once
         return alerts
-
-    def _find_classes(self, p: Any) -> None:
-        """Once the first step's outputs are there: the number of classes of a
-        CrossEntropyLoss/NLLLoss classifier, for the detectors that judge against chance."""
-        outputs = p.get("outputs")
-        if outputs is None and p.cur_step_num < 2:
-            return  # a loop may give outputs from its first step on; else none are given
-        self._want_classes = False
-        classes = classes_of(p.get("loss_fn"), outputs)
-        for detector in self._classes_for:
-            detector.classes = classes  # type: ignore[attr-defined]
 
     def _rates(self, steps: range) -> list[float] | None:
         """The learning rate at each of ``steps`` (from the recorded change points)."""
@@ -480,32 +473,6 @@ class AnomalyMonitor(Acting, Callback):
             return [changes[0][1]] * len(steps)
         starts = [s for s, _ in changes]
         return [changes[max(0, bisect.bisect_right(starts, s) - 1)][1] for s in steps]
-
-    def _detect_grads(self, step: int, epoch: int, host: torch.Tensor, ready: Any) -> list[Alert]:
-        if ready is not None:
-            ready.synchronize()
-        if step <= self._undone or self._stats is None:
-            return []
-        values = host.tolist()
-        total, norms, dead = self._stats.split(values)
-        saturated = values[2 * len(norms) :]
-        history = self._history
-        history["grad_step"].append(step)
-        history["grad_norm"].append(total)
-        found = [
-            self._grad_nonfinite.update(step, total, epoch)
-            if self._grad_nonfinite is not None and not self._scaled
-            else None,
-            self._explosion.update(step, total, epoch) if self._explosion else None,
-        ]
-        if math.isfinite(total):
-            if self._vanishing is not None:
-                found.append(self._vanishing.update(step, norms, epoch))
-            if self._dying is not None:
-                found.append(self._dying.update(step, dead, epoch=epoch))
-            if self._saturation is not None and saturated:
-                found.append(self._saturation.update(step, saturated, epoch))
-        return [a for a in found if a is not None]
 
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:

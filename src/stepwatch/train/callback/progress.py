@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from ..._validation import check_number
 from ...monitor import values as names
-from ...monitor.schedule import Every
+from ...monitor.schedule import Every, Pace
 from ...view.run import RunView, view_of
 from ._callback import Callback, RunContext
 from ._print import set_line_writer
@@ -85,9 +85,11 @@ class ProgressBar(Callback):
 
     On a terminal it is a tqdm bar that redraws at most every ``refresh_seconds`` (tqdm's
     count-and-time throttling); the loss is read from the device only when the bar redraws,
-    never on the other steps. ``fit`` shows a second bar while it validates. Lines printed by
-    ``LossMonitor``, ``TimeMonitor``, ``EarlyStopping`` and ``ReduceLROnPlateau`` appear above
-    the bar without breaking it.
+    never on the other steps. It has no step hook: it looks at the run on the loss tap's step
+    clock, about four times per redraw period, as far apart in steps as the step rate allows,
+    so the steps in between cost it nothing. ``fit`` shows a second bar while it validates.
+    Lines printed by ``LossMonitor``, ``TimeMonitor``, ``EarlyStopping`` and
+    ``ReduceLROnPlateau`` appear above the bar without breaking it.
 
     When the stream is not a terminal (a pipe, a log file, a CI job) there is no bar: one plain
     line per epoch, and within a long epoch one line every ``plain_every_seconds``. Under
@@ -137,6 +139,7 @@ class ProgressBar(Callback):
         self._stream: Any = None
         self._previous_writer: Any = None
         self._plain = Every(seconds=self.plain_every_seconds or None)
+        self._pace = Pace(self.refresh_seconds)
         self._epochs = 0
         self._batches = 0
         self._start = (0.0, 0)
@@ -192,7 +195,13 @@ class ProgressBar(Callback):
         self._eval = {}
         self._view = view_of(cb_params)
         self._plain.reset(first)
-        if _is_terminal(self._stream):
+        terminal = _is_terminal(self._stream)
+        # Looks about four times a redraw period (or a plain line's), paced by the step rate.
+        self._pace = Pace(self.refresh_seconds if terminal else self.plain_every_seconds)
+        self._pace.reset(first)
+        if terminal or self._plain.seconds:
+            self._view.tap.call_at(first + 1, self._look)
+        if terminal:
             self._bar = _Bar(
                 total=self._total or None,
                 initial=first,
@@ -211,18 +220,21 @@ class ProgressBar(Callback):
             epoch = run_context.cb_params.cur_epoch_num
             self._bar.set_description_str(f"epoch {epoch}/{self._epochs}", refresh=False)
 
-    def on_train_step_end(self, run_context: RunContext) -> None:
+    def _look(self, step: int) -> None:
+        """A look on the run's step clock (no step hook: the steps between cost nothing)."""
+        view = self._view
+        if view is None:
+            return
         bar = self._bar
         if bar is not None:
-            bar.update(1)
-        elif self._plain.seconds:
-            cb_params = run_context.cb_params
-            step = cb_params.cur_step_num
+            bar.update(step - bar.n)  # tqdm redraws when refresh_seconds have passed
+        else:
+            cb_params = view.params
             if self._plain.due(step) and not cb_params.last_step_of_epoch:
-                latest = self._view.tap.latest if self._view is not None else None
-                if latest is None:  # a cb_params built by hand: nobody feeds the tap
-                    latest = cb_params.loss_tensor
-                self._plain_line(cb_params, step, float(latest))
+                latest = view.tap.latest
+                if latest is not None:
+                    self._plain_line(cb_params, step, float(latest))
+        view.tap.call_at(step + self._pace.ahead(step), self._look)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -233,6 +245,7 @@ class ProgressBar(Callback):
             if isinstance(v, (int, float))
         }
         if self._bar is not None:
+            self._bar.update(cb_params.cur_step_num - self._bar.n)
             self._bar.refresh()
         else:
             loss = cb_params.train_results.get("loss")
@@ -275,6 +288,8 @@ class ProgressBar(Callback):
         if self._bar is not None:
             set_line_writer(self._previous_writer)
         self._bar = self._eval_bar = None
+        if self._view is not None:
+            self._view.tap.unsubscribe(self)
         self._view = None  # no device tensor kept alive after the run
 
     def __exit__(self, *err: Any) -> None:

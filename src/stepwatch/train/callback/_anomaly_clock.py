@@ -1,0 +1,188 @@
+"""When :class:`~.anomaly.AnomalyMonitor` looks: its calls on the run's step clock (the loss
+tap's :meth:`~stepwatch.view.tap.LossTap.call_at`) instead of a step hook, so a step with
+nothing due runs none of its code.
+
+It looks at a chunk of step losses at the chunk's last step (and, while a copy to the host is
+still on its way, at each next step), at the gradients every ``grad_every_n_steps`` optimizer
+steps (arming the activation hooks one step before), at the training state every
+``rollback_every`` steps (the copies rollback goes back to), and once at the first step's
+outputs (the number of classes, for the detectors that judge against chance)."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import torch
+
+from ...monitor.detectors import (
+    Alert,
+    DyingReLU,
+    GradExplosion,
+    GradVanishing,
+    NonFinite,
+    Saturation,
+)
+from ...view.run import RunView
+from ._anomaly_actions import ActivationStats, GradStats, StateKeeper, classes_of
+from ._callback import RunContext
+
+__all__ = ["Clock"]
+
+
+class Clock:
+    """The sampling half of AnomalyMonitor (a mixin: the monitor holds the state named here)."""
+
+    grad_every_n_steps: int
+    _view: RunView | None
+    _run_context: RunContext | None
+    _stats: GradStats | None
+    _acts: ActivationStats | None
+    _keeper: StateKeeper | None
+    _explosion: GradExplosion | None
+    _vanishing: GradVanishing | None
+    _dying: DyingReLU | None
+    _saturation: Saturation | None
+    _grad_nonfinite: NonFinite | None
+    _scaled: bool
+    _undone: int
+    _grad_due: int
+    _looking: bool
+    _want_classes: bool
+    _classes_for: list[Any]
+    _inflight: deque[tuple[Any, ...]]
+    _history: dict[str, deque[Any]]
+
+    def _drain(self, run_context: RunContext, block: bool) -> None:
+        raise NotImplementedError
+
+    def _reduce_block(self) -> None:
+        raise NotImplementedError
+
+    def _block_due(self) -> bool:
+        raise NotImplementedError
+
+    def _start_clock(self) -> None:
+        """Ask for the first looks of a run (``on_train_begin``)."""
+        assert self._view is not None
+        tap, start = self._view.tap, self._view.step
+        if self._stats is not None:
+            self._grads_at(start + 1)  # the first step's gradients
+        if self._keeper is not None:
+            every = self._keeper.every
+            tap.call_at((start // every + 1) * every, self._keep)
+        if self._want_classes:
+            tap.call_at(start + 1, self._find_classes)
+
+    # -- the loss chunks ----------------------------------------------------------------------
+    def _look_at(self, step: int) -> None:
+        """Read what waits at ``step`` (one call asked for at a time)."""
+        if not self._looking and self._view is not None:
+            self._looking = True
+            self._view.tap.call_at(step, self._look)
+
+    def _look(self, step: int) -> None:
+        self._looking = False
+        if self._block_due():
+            self._reduce_block()  # every rank reduces the same block at the same step
+        if self._inflight and self._run_context is not None:
+            self._drain(self._run_context, block=False)
+            if self._inflight:  # a copy still on its way (CUDA): look again at the next step
+                self._look_at(step + 1)
+
+    # -- the gradients -----------------------------------------------------------------------
+    def _grads_at(self, step: int) -> None:
+        """Measure the gradients at ``step`` (an earlier measurement moves the later one)."""
+        assert self._view is not None
+        self._grad_due = step
+        self._view.tap.call_at(step, self._measure)
+        if self._acts is not None:
+            if step - 1 <= self._view.step:
+                self._acts.arm()  # hooks for the next forward pass only
+            else:
+                self._view.tap.call_at(step - 1, self._arm)
+
+    def _arm(self, step: int) -> None:
+        if self._acts is not None and step + 1 >= self._grad_due:
+            self._acts.arm()
+
+    def _measure(self, step: int) -> None:
+        stats = self._stats
+        if step < self._grad_due or stats is None or self._run_context is None:
+            return  # asked for before an earlier measurement moved the next one
+        p = self._run_context.cb_params
+        measured = None
+        if p.get("optimizer_stepped", True):
+            # the saturated fractions of this step's forward pass, packed with the gradients'
+            acts = self._acts.take() if self._acts is not None else ()
+            measured = stats.measure(acts)
+        if measured is None:  # mid accumulation window, or no gradient yet: the next step
+            self._grads_at(step + 1)
+            return
+        self._ship_grads(step, p.cur_epoch_num, measured)
+        self._grads_at(step + self.grad_every_n_steps)
+        self._look_at(step)
+
+    def _grads_now(self) -> None:
+        """Trouble in the loss: look at the gradients at the next step."""
+        if self._stats is not None and self._view is not None:
+            self._grads_at(self._view.step + 1)
+
+    def _ship_grads(self, step: int, epoch: int, measured: torch.Tensor) -> None:
+        """Queue one host transfer of a gradient measurement (non-blocking on CUDA)."""
+        ready = None
+        if measured.is_cuda:
+            measured = measured.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self._inflight.append(("grad", step, epoch, measured, ready))
+
+    def _detect_grads(self, step: int, epoch: int, host: torch.Tensor, ready: Any) -> list[Alert]:
+        if ready is not None:
+            ready.synchronize()
+        if step <= self._undone or self._stats is None:
+            return []
+        values = host.tolist()
+        total, norms, dead = self._stats.split(values)
+        saturated = values[2 * len(norms) :]
+        history = self._history
+        history["grad_step"].append(step)
+        history["grad_norm"].append(total)
+        found = [
+            self._grad_nonfinite.update(step, total, epoch)
+            if self._grad_nonfinite is not None and not self._scaled
+            else None,
+            self._explosion.update(step, total, epoch) if self._explosion else None,
+        ]
+        if math.isfinite(total):
+            if self._vanishing is not None:
+                found.append(self._vanishing.update(step, norms, epoch))
+            if self._dying is not None:
+                found.append(self._dying.update(step, dead, epoch=epoch))
+            if self._saturation is not None and saturated:
+                found.append(self._saturation.update(step, saturated, epoch))
+        return [a for a in found if a is not None]
+
+    # -- the training state and the first outputs ---------------------------------------------
+    def _keep(self, step: int) -> None:
+        keeper = self._keeper
+        if keeper is None or self._view is None or self._run_context is None:
+            return
+        keeper.maybe_keep(step, self._run_context.cb_params)
+        self._view.tap.call_at((step // keeper.every + 1) * keeper.every, self._keep)
+
+    def _find_classes(self, step: int) -> None:
+        """Once the first step's outputs are there: the number of classes of a
+        CrossEntropyLoss/NLLLoss classifier, for the detectors that judge against chance."""
+        if not self._want_classes or self._run_context is None or self._view is None:
+            return
+        p = self._run_context.cb_params
+        outputs = p.get("outputs")
+        if outputs is None and p.cur_step_num < 2:
+            self._view.tap.call_at(step + 1, self._find_classes)
+            return  # a loop may give outputs from its first step on; else none are given
+        self._want_classes = False
+        classes = classes_of(p.get("loss_fn"), outputs)
+        for detector in self._classes_for:
+            detector.classes = classes
