@@ -4,6 +4,7 @@ statistics in one packed tensor, and the snapshot, reduce_lr and rollback action
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import math
@@ -93,13 +94,14 @@ def check_snapshot_dir(snapshot_dir: Any) -> Path | None:
 
 
 class GradStats:
-    """Per-layer gradient statistics, measured on the device in a few fused ops and packed in
+    """Per-layer gradient statistics, measured on the device in one op per layer and packed in
     one tensor, so they reach the host in one transfer.
 
     A *layer* is a trainable parameter with two or more dimensions (a weight matrix or a
-    convolution kernel); a network without any is measured parameter by parameter. For each:
-    its gradient norm, and the fraction of its output units (rows) whose gradient is exactly
-    zero, which is a dead ReLU unit's signature.
+    convolution kernel); a network without any is measured parameter by parameter. For each
+    output unit (row) of each layer the device computes its gradient's norm; the host sums
+    them into the layer's norm and counts the rows whose gradient is exactly zero, which is a
+    dead ReLU unit's signature.
     """
 
     def __init__(self, network: torch.nn.Module) -> None:
@@ -108,25 +110,34 @@ class GradStats:
         self.names = [n for n, _ in layers]
         self.params = [p for _, p in layers]
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
+        self._starts = [0, *itertools.accumulate(self.rows)][:-1]
 
     def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
-        """``[norms..., live rows..., extra...]`` on the device in one tensor (a live row has
-        a non-zero gradient somewhere), or None when some layer has no gradient yet.
-        ``extra``: more single values to pack with them (float32, on the same device)."""
+        """``[row norms of each layer..., extra...]`` on the device in one 1-D tensor, or
+        None when some layer has no gradient yet. ``extra``: single values (0-d tensors on
+        the same device) to pack with them."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads or len(grads) < len(self.params):
             return None
-        norms = torch._foreach_norm(grads)
-        dtype = norms[0].dtype
-        live = [g.reshape(r, -1).any(1).sum(dtype=dtype) for g, r in zip(grads, self.rows)]
-        return torch.stack([*norms, *live, *(e.to(norms[0].device, dtype) for e in extra)])
+        norm = torch.linalg.vector_norm
+        parts = [
+            norm(g.reshape(r, -1), dim=1, dtype=torch.float32) for g, r in zip(grads, self.rows)
+        ]
+        if extra:
+            parts.append(torch.stack(list(extra)).to(parts[0].device, parts[0].dtype))
+        return torch.cat(parts)
 
-    def split(self, values: Sequence[float]) -> tuple[float, list[float], list[float]]:
-        """``(global norm, norms, dead fractions)`` from the measured values."""
-        n = len(self.params)
-        norms = list(values[:n])
-        dead = [1.0 - live / rows for live, rows in zip(values[n:], self.rows)]
-        return math.sqrt(sum(v * v for v in norms)), norms, dead
+    def split(self, host: torch.Tensor) -> tuple[float, list[float], list[float], list[float]]:
+        """``(global norm, norms, dead fractions, extra values)`` from a measurement on the
+        host."""
+        values = host.tolist()
+        norms, dead = [], []
+        for start, rows in zip(self._starts, self.rows):
+            layer = values[start : start + rows]
+            norms.append(math.hypot(*layer))
+            dead.append(layer.count(0.0) / rows)
+        end = self._starts[-1] + self.rows[-1]
+        return math.hypot(*norms), norms, dead, values[end:]
 
 
 class ActivationStats:

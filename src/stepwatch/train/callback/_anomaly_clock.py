@@ -143,9 +143,7 @@ class Clock:
             ready.synchronize()
         if step <= self._undone or self._stats is None:
             return []
-        values = host.tolist()
-        total, norms, dead = self._stats.split(values)
-        saturated = values[2 * len(norms) :]
+        total, norms, dead, saturated = self._stats.split(host)
         history = self._history
         history["grad_step"].append(step)
         history["grad_norm"].append(total)
