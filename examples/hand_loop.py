@@ -1,8 +1,8 @@
 """A hand-written PyTorch loop watched by stepwatch: the README's loop with a NaN injected.
 
 Run it: ``python examples/hand_loop.py [runs.db]``. The loss of step 25 is made NaN (as a
-corrupted batch would); ``AnomalyMonitor`` sees it within 8 steps (here at step 26, where its
-gradient measurement finds the NaN gradients first), stops the run, and the run store marks
+corrupted batch would); ``AnomalyMonitor`` sees it on that step (a CPU loss is read as it
+comes, and a NaN is handed to the monitor at once), stops the run, and the run store marks
 the run ``anomaly``. Then ``stepwatch show hand-loop-nan --db
 runs.db`` shows the alert, and ``stepwatch serve --db runs.db`` marks it on the chart.
 """

@@ -239,7 +239,7 @@ def test_plateau_fires_on_a_zero_learning_rate_after_lr_patience_steps() -> None
         alerts.append(plateau.update(step, value))
     fired = [a for a in alerts if a is not None and "learning rate is 0" in a.message]
     assert [a.step for a in fired] == [300]  # names the first step at 0, once per episode
-    assert "learning rate is 0 since step 300" in fired[0].message
+    assert "learning rate is 0 (seen from step 300 on)" in fired[0].message
 
 
 def test_plateau_leaves_a_run_that_learned_then_levelled_off_alone() -> None:

@@ -250,14 +250,15 @@ def test_a_nan_stops_the_fit_and_the_run_is_an_anomaly_in_the_store_and_dashboar
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         trainer, model = _fit([watch], poison={20: math.nan})
     assert "epoch: 2 step: 4, loss is nan" in capsys.readouterr().out
-    # Losses are read every 8 steps: the NaN of step 20 stops the Trainer at step 24.
-    assert trainer.global_step == 24 and len(model.computed) == 24
+    # A CPU loss is read as it comes and a NaN is handed over at once: the NaN of step 20
+    # stops the Trainer at step 20.
+    assert trainer.global_step == 20 and len(model.computed) == 20
     assert trainer.should_stop and trainer.current_epoch == 2
     assert watch.stop_reason == "nonfinite at step 20"
     assert watch.run is not None and watch.run.stop_kind == "anomaly"
     assert [(a.kind, a.step) for a in monitor.alerts] == [("nonfinite", 20)]
     assert "stopping training" in caplog.text
-    assert_stopped_for_anomaly(db, recorder.run_id, alert_step=20, last_step=24)
+    assert_stopped_for_anomaly(db, recorder.run_id, alert_step=20, last_step=20)
     with Store(db) as store:
         info = store.run(recorder.run_id)
         assert (info.name, info.config["host"]) == ("lit-nan", "lightning")
@@ -281,11 +282,12 @@ def test_reduce_lr_and_snapshot_act_on_the_trainer(tmp_path: Path) -> None:
         detectors={"spike": {"window": 20}}, action={"spike": ["reduce_lr", "snapshot"]},
         snapshot_dir=tmp_path / "snap", lr_factor=0.5,
     )  # fmt: skip
-    at_32 = Weights(32)
-    trainer, _ = _fit([StepwatchCallback([monitor, at_32])], val=False, poison={30: 1e4})
+    at_30 = Weights(30)
+    trainer, _ = _fit([StepwatchCallback([monitor, at_30])], val=False, poison={30: 1e4})
     assert [(a.kind, a.step) for a in monitor.alerts] == [("spike", 30)]
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
-    # The snapshot is Lightning's own checkpoint of step 32 (the spike was read then).
+    # The snapshot is Lightning's own checkpoint of step 30 (the spike was read on its step:
+    # a CPU loss over the spike detector's alarm is handed over at once).
     (path,) = (tmp_path / "snap").glob("*.ckpt")
     assert (
         path.name == "anomaly-spike-step30.ckpt" and (path.parent / f"{path.stem}.json").is_file()
@@ -294,9 +296,9 @@ def test_reduce_lr_and_snapshot_act_on_the_trainer(tmp_path: Path) -> None:
     loaded = Net.load_from_checkpoint(path)
     assert loaded.hparams.lr == pytest.approx(0.05)
     for key, value in loaded.state_dict().items():
-        torch.testing.assert_close(value, at_32.state[key])
+        torch.testing.assert_close(value, at_30.state[key])
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == 32 and checkpoint["optimizer_states"]
+    assert checkpoint["global_step"] == 30 and checkpoint["optimizer_states"]
 
 
 def test_a_spike_rolls_the_module_and_optimizer_back_in_place() -> None:
@@ -306,9 +308,9 @@ def test_a_spike_rolls_the_module_and_optimizer_back_in_place() -> None:
     watch = StepwatchCallback([monitor])
     trainer, model = _fit([watch], val=False, poison={30: 1e4})
     assert monitor.rollbacks == 1 and "rolled back to step 24" in monitor.outcomes[0]
-    assert watch.run is not None and watch.run.rollbacks == [(24, 32)]
+    assert watch.run is not None and watch.run.rollbacks == [(24, 30)]
     assert trainer.global_step == 48 and not watch.run.stop_kind
-    # Replaying steps 1-24 and 33-48 without the spike by hand gives the same weights.
+    # Replaying steps 1-24 and 31-48 without the spike by hand gives the same weights.
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -317,7 +319,7 @@ def test_a_spike_rolls_the_module_and_optimizer_back_in_place() -> None:
     for _ in range(3):
         for x, y in train:
             step += 1
-            if 24 < step <= 32:
+            if 24 < step <= 30:
                 continue
             opt.zero_grad()
             F.mse_loss(ref(x), y).backward()
@@ -366,7 +368,7 @@ def test_rollback_stops_where_lightning_cannot_be_restored(
     # Manual optimization: the gradients are the module's business, the detectors say so.
     assert "lightning gives no gradients, so the grad_explosion detectors are off" in caplog.text
     # One stepwatch step per batch (Lightning's global_step counts both optimizers' steps).
-    assert len(model.computed) == 32 and trainer.global_step == 64
+    assert len(model.computed) == 30 and trainer.global_step == 60
     assert monitor.outcomes == [
         "lightning cannot restore weights and optimizer mid-run, stopping training"
     ]

@@ -98,8 +98,9 @@ def test_a_nan_stops_the_loop_and_the_run_is_stored_as_an_anomaly(
     assert "epoch: 2 step: 4, loss is nan" in capsys.readouterr().out
     assert run.should_stop is False  # the run has ended: nothing left to stop
     assert run.stop_kind == "anomaly" and run.stop_reason == "nonfinite at step 20"
-    # Losses are read every 8 steps: the stop comes at step 24, within the 8 steps promised.
-    assert len(computed) == 24
+    # A CPU loss is read as it comes, and a NaN wakes the monitor on its step: the stop comes
+    # at step 20 itself.
+    assert len(computed) == 20
     assert [a.kind for a in monitor.alerts] == ["nonfinite"]
     assert "stopping training" in caplog.text
     with Store(db) as store:
@@ -109,7 +110,7 @@ def test_a_nan_stops_the_loop_and_the_run_is_stored_as_an_anomaly(
         assert [(e["step"], e["data"]["kind"], e["data"]["actions"]) for e in alerts] == [
             (20, "nonfinite", ["stopping training"])
         ]
-        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, 25))
+        assert store.metrics(info.id, values.STEP_LOSS)[0].tolist() == list(range(1, 21))
 
 
 def test_a_spike_rolls_the_network_and_optimizer_back(tmp_path: Path) -> None:
@@ -118,13 +119,14 @@ def test_a_spike_rolls_the_network_and_optimizer_back(tmp_path: Path) -> None:
     )
     run, computed, net, _, _ = _train(tmp_path, [monitor], {30: 1e4})
     assert [a.kind for a in monitor.alerts] == ["spike"] and monitor.rollbacks == 1
-    # The spike at step 30 was read at step 32; the copy of step 24 (the newest before 30)
-    # was restored and the run went on with the next batches.
-    assert run.rollbacks == [(24, 32)]
+    # The spike at step 30 was handed over on its step (it is above the spike detector's
+    # alarm); the copy of step 24 (the newest before 30) was restored and the run went on
+    # with the next batches.
+    assert run.rollbacks == [(24, 30)]
     assert "rolled back to step 24" in monitor.outcomes[0]
     assert len(computed) == 48 and not run.stop_kind
     # The state really is the restored one followed by the steps after it: replaying steps
-    # 1-24 and 33-48 without the spike gives the same weights.
+    # 1-24 and 31-48 without the spike gives the same weights.
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -133,7 +135,7 @@ def test_a_spike_rolls_the_network_and_optimizer_back(tmp_path: Path) -> None:
     for _ in range(3):
         for x, y in loader:
             step += 1
-            if 24 < step <= 32:
+            if 24 < step <= 30:
                 continue
             ref_opt.zero_grad()
             nn.MSELoss()(ref(x), y).backward()
@@ -155,7 +157,7 @@ def test_reduce_lr_changes_the_loops_optimizer_and_snapshot_writes_a_loadable_fi
     state = stepwatch.load_checkpoint(
         path, nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     )
-    assert state["step"] == 32
+    assert state["step"] == 30  # written on the spike's step
 
 
 def test_an_exception_in_the_loop_marks_the_run_failed_with_its_steps(tmp_path: Path) -> None:
@@ -221,8 +223,8 @@ def test_the_hand_loop_example_stops_on_its_nan_and_stores_an_anomaly(tmp_path: 
         capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "stopped: nonfinite at step 26 (anomaly) after 26 steps" in result.stdout
-    assert "stored as run 1 (hand-loop-nan): anomaly, 26 steps" in result.stdout
+    assert "stopped: nonfinite at step 25 (anomaly) after 25 steps" in result.stdout
+    assert "stored as run 1 (hand-loop-nan): anomaly, 25 steps" in result.stdout
 
 
 def test_a_users_own_detector_is_fed_stored_and_acted_on_like_a_builtin(tmp_path: Path) -> None:

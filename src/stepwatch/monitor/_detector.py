@@ -3,6 +3,7 @@ once-per-episode latch), and the checks their options share. No PyTorch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -45,6 +46,13 @@ class Detector:
         update = self.update  # type: ignore[attr-defined]
         found = (update(step, value, epoch=epoch) for step, value in zip(steps, values))
         return [alert for alert in found if alert is not None]
+
+    def alarm(self) -> float | None:
+        """The smallest value that could fire this detector now: a host that reads values in
+        batches hands one over at once when it is above this (or not a number), instead of
+        at the batch's end. ``inf`` (the default): only a value that is not finite; ``-inf``:
+        every value, at once; None: it cannot say yet (warming up), read it often."""
+        return math.inf
 
     def _edge(self, condition: bool) -> bool:
         # True only when the condition starts; a False condition ends the episode.

@@ -179,6 +179,11 @@ class Spike(Detector):
         judged afresh (the same anomaly coming back fires again)."""
         self._active = False
 
+    def alarm(self) -> float | None:
+        """The limit a value must pass to fire (in an episode too: a value over it keeps
+        the episode going); None while warming up."""
+        return None if len(self._level) < self.warmup else self._limit()
+
     def _refresh(self) -> None:
         # sorted() on ~100 floats is several times faster than numpy's median at this size
         self._since = 0
@@ -299,6 +304,16 @@ class Divergence(Detector):
         if median < self._best:
             self._best, self._tail = median, ordered[min(len(ordered) - 1, len(ordered) * 19 // 20)]
 
+    def alarm(self) -> float | None:
+        """The limit once warm (None before); every value (``-inf``) while the level is over
+        it and the alert may come within ``patience`` steps."""
+        if self._seen <= self.warmup or len(self._values) < self.window:
+            return None
+        if self._over and not self._active:
+            return -math.inf
+        best = self._best
+        return max(best + (self.factor - 1.0) * abs(best), self._tail) + 1e-12
+
     def restart_level(self) -> None:
         """Forget the current level (after a rollback undid the steps it came from); the best
         level and its window are kept. The episode ends: the restored state is judged afresh."""
@@ -388,7 +403,7 @@ class Plateau(Detector):
             elif not self._lr_episode and self._zero_lr >= self.lr_patience:
                 self._lr_episode = True
                 at = step - self._zero_lr + 1
-                seen = f"learning rate is 0 since step {at}: the loss cannot improve"
+                seen = f"learning rate is 0 (seen from step {at} on): the loss cannot improve"
                 return self._alert(at, epoch, seen, 0.0)
         if not math.isfinite(value):
             return None

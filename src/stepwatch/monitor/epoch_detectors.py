@@ -84,6 +84,10 @@ class Threshold(Detector):
         if self.above is None and self.below is None:
             raise ValueError("Threshold needs 'above' and/or 'below', but got neither.")
 
+    def alarm(self) -> float:
+        """``above`` (a value under ``below`` is not urgent: it waits for the batch's end)."""
+        return math.inf if self.above is None else self.above
+
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         high = self.above is not None and value > self.above
         low = self.below is not None and value < self.below

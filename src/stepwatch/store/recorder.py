@@ -258,10 +258,10 @@ class RunRecorder(Callback):
                 last = steps[-1]
                 if not sample.due(last):
                     continue
-                steps, values = range(last, last + 1), values[-1:]  # type: ignore[index]
+                steps, values = range(last, last + 1), values[-1:]
             elif every > 1:
                 skip = (self._first_sampled - steps.start) % every
-                steps, values = steps[skip::every], values[skip::every]  # type: ignore[index]
+                steps, values = steps[skip::every], values[skip::every]
                 if not steps:
                     continue
             writer.log_batch(

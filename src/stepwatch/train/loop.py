@@ -319,8 +319,15 @@ def train_epoch(
                         scheduler,
                     )
             # A plain CPU loss is read at once: that waits for nothing and keeps no tensor
-            # alive. Any other (an accelerator's, a tensor subclass) goes in unread.
-            pending.append(loss.item() if type(loss) is tensor and loss.is_cpu else loss.detach())
+            # alive; one above the tap's alarm (or NaN) wakes it now. Any other loss (an
+            # accelerator's, a tensor subclass) goes in unread.
+            if type(loss) is tensor and loss.is_cpu:
+                value = loss.item()
+                pending.append(value)
+                if not value <= tap.alarm:
+                    tap.alarmed()
+            else:
+                pending.append(loss.detach())
             if train_metrics:
                 for metric in train_metrics:
                     metric.update(outputs, label)

@@ -23,6 +23,7 @@ comparison.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,7 +91,7 @@ class Chunk:
             self.ready = None
         if host is None:
             host = self.host = self.device.cpu()
-        return host.tolist()  # type: ignore[no-any-return]
+        return host.tolist()
 
     def __repr__(self) -> str:
         return f"Chunk(steps={self.steps.start}..{self.steps.stop - 1}, epoch={self.epoch})"
@@ -130,6 +131,10 @@ class LossTap:
         self._subscribers: list[tuple[int, int, Subscriber, Callable[[], bool] | None]] = []
         self._dues: list[Callable[[], bool]] = []
         self._timers: list[tuple[int, Callable[[int], Any]]] = []
+        # A float loss not <= alarm (NaN included) wakes the tap on its step: see set_alarm.
+        self.alarm = math.inf
+        self._alarms: dict[int, float] = {}
+        self._alarmed = False
         self._soonest = _NEVER  # the earliest step in _timers
         self._span_start = time.time()
 
@@ -157,7 +162,7 @@ class LossTap:
         self._subscribers.append((every, look, fn, due))
         self._retune()
 
-    def unsubscribe(self, fn: Callable[..., Any]) -> None:
+    def unsubscribe(self, fn: Any) -> None:
         """Stop handing chunks to ``fn``, and drop the calls asked for of ``fn``, or of any
         method of ``fn`` when it is the object that subscribed (``tap.unsubscribe(self)``)."""
 
@@ -166,7 +171,24 @@ class LossTap:
 
         self._subscribers = [entry for entry in self._subscribers if not gone(entry[2])]
         self._timers = [entry for entry in self._timers if not gone(entry[1])]
+        if self._alarms.pop(id(fn), None) is not None:
+            self.alarm = min(self._alarms.values(), default=math.inf)
         self._retune()
+
+    def set_alarm(self, owner: Any, level: float) -> None:
+        """Wake the tap at once (cut a chunk that ends there) when a float loss is above
+        ``level`` or not a number, instead of at the next interval: ``owner`` reads batches
+        seldom but must see such a value on its step. The tap's :attr:`alarm` is the lowest
+        level asked for; :meth:`unsubscribe` with ``owner`` drops it."""
+        self._alarms[id(owner)] = level
+        self.alarm = min(self._alarms.values())
+
+    def alarmed(self) -> None:
+        """A loss just pushed is not <= :attr:`alarm`: cut it into a chunk at this step (when
+        somebody set an alarm)."""
+        if self._alarms:
+            self._alarmed = True
+            self.wake = self.pushed_step
 
     def call_at(self, step: int, fn: Callable[[int], Any]) -> None:
         """Call ``fn(step)`` once, at the end of global step ``step`` (the next step when that
@@ -204,6 +226,8 @@ class LossTap:
         """Add the next step's loss (a float, or a detached tensor); :meth:`tick` when due."""
         pending = self.pending
         pending.append(loss)
+        if type(loss) is float and not loss <= self.alarm:
+            self.alarmed()
         if self.next_step + len(pending) - 1 >= self.wake:
             self.tick()
 
@@ -212,9 +236,10 @@ class LossTap:
         of :attr:`every` (or when a subscriber's ``due`` asks for one), then make the calls
         asked for up to this step."""
         step = self.pushed_step
-        if step % self.interval == 0 and (
-            step % self.every == 0 or any(due() for due in self._dues)
+        if self._alarmed or (
+            step % self.interval == 0 and (step % self.every == 0 or any(d() for d in self._dues))
         ):
+            self._alarmed = False
             self.cut()
         for _ in range(_ROUNDS):  # a call may ask for another at this step: make it too
             timers = self._timers

@@ -10,14 +10,18 @@ outputs (the number of classes, for the detectors that judge against chance)."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ...monitor.detectors import (
+    DETECTORS,
     Alert,
+    Detector,
     DyingReLU,
     GradExplosion,
     GradVanishing,
@@ -28,7 +32,14 @@ from ...view.run import RunView
 from ._anomaly_actions import ActivationStats, GradStats, StateKeeper, classes_of
 from ._callback import RunContext
 
-__all__ = ["Clock"]
+__all__ = ["READ_EVERY", "READ_EVERY_HOST", "Clock", "says_alarm"]
+
+# Step losses move to the host in one transfer per this many sampled steps (and at each epoch's
+# end): an alert is read at most this many steps after its step.
+READ_EVERY = 8
+# Losses the host reads as they come (a CPU run of one process) are read in batches of this
+# many steps; a value that could fire a detector (the tap's alarm) is handed over at once.
+READ_EVERY_HOST = 64
 
 
 class Clock:
@@ -53,6 +64,13 @@ class Clock:
     _classes_for: list[Any]
     _inflight: deque[tuple[Any, ...]]
     _history: dict[str, deque[Any]]
+    _world: int
+    _groups: Any
+    _lr_changes: list[tuple[int, float]]
+    _fast: list[Any]
+    _may_alarm: bool
+    _host_losses: bool
+    _alarming: bool
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
         raise NotImplementedError
@@ -61,6 +79,9 @@ class Clock:
         raise NotImplementedError
 
     def _block_due(self) -> bool:
+        raise NotImplementedError
+
+    def _take(self, chunk: Any) -> None:
         raise NotImplementedError
 
     def _start_clock(self) -> None:
@@ -76,6 +97,44 @@ class Clock:
             tap.call_at(start + 1, self._find_classes)
 
     # -- the loss chunks ----------------------------------------------------------------------
+    def _note_lr(self, step: int) -> None:
+        """The rate as of ``step`` (read at each chunk and each gradient measurement), for the
+        detectors that judge the learning rate."""
+        groups = self._groups
+        if groups is not None:
+            lr = groups[0]["lr"]
+            changes = self._lr_changes
+            if not changes or changes[-1][1] != lr:
+                changes.append((step, lr))
+
+    def _set_alarm(self) -> None:
+        """Losses read on the host as they come (a CPU run of one process): once every
+        detector fed each batch says what it must see at once, read batches of
+        READ_EVERY_HOST steps, and let the tap's alarm hand such a value over on its step."""
+        view = self._view
+        if view is None or not (self._may_alarm and self._host_losses) or self._world > 1:
+            return
+        levels = [getattr(d, "alarm", _no_alarm)() for d in self._fast]
+        ready = None not in levels
+        if ready != self._alarming:
+            self._alarming = ready
+            view.tap.unsubscribe(self._take)
+            view.tap.subscribe(READ_EVERY_HOST if ready else READ_EVERY, self._take)
+        if ready:
+            view.tap.set_alarm(self, min(levels, default=math.inf))
+        else:
+            view.tap.set_alarm(self, math.inf)  # non-finite values only
+
+    def _rates(self, steps: Sequence[int]) -> list[float] | None:
+        """The learning rate at each of ``steps`` (from the recorded change points)."""
+        changes = self._lr_changes
+        if not changes:
+            return None
+        if len(changes) == 1:
+            return [changes[0][1]] * len(steps)
+        starts = [s for s, _ in changes]
+        return [changes[max(0, bisect.bisect_right(starts, s) - 1)][1] for s in steps]
+
     def _look_at(self, step: int) -> None:
         """Read what waits at ``step`` (one call asked for at a time)."""
         if not self._looking and self._view is not None:
@@ -121,6 +180,7 @@ class Clock:
             self._grads_at(step + 1)
             return
         self._ship_grads(step, p.cur_epoch_num, measured)
+        self._note_lr(step)
         self._grads_at(step + self.grad_every_n_steps)
         self._look_at(step)
 
@@ -184,3 +244,13 @@ class Clock:
         classes = classes_of(p.get("loss_fn"), outputs)
         for detector in self._classes_for:
             detector.classes = classes
+
+
+def says_alarm(detector: Any) -> bool:
+    """A built-in detector, or one of one's own that defines ``alarm()``."""
+    own = getattr(type(detector), "alarm", None)
+    return detector.kind in DETECTORS or (own is not None and own is not Detector.alarm)
+
+
+def _no_alarm() -> float:
+    return math.inf  # a detector of one's own without alarm(): only non-finite values

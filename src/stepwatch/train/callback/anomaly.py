@@ -4,7 +4,6 @@ exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it f
 
 from __future__ import annotations
 
-import bisect
 import logging
 import warnings
 from collections import deque
@@ -45,7 +44,7 @@ from ._anomaly_actions import (
     host_restores,
     note_no_gradients,
 )
-from ._anomaly_clock import Clock
+from ._anomaly_clock import READ_EVERY, Clock, says_alarm
 from ._callback import ORDER_STEER, Callback, RunContext
 
 __all__ = ["AnomalyMonitor"]
@@ -53,9 +52,6 @@ __all__ = ["AnomalyMonitor"]
 logger = logging.getLogger("stepwatch")
 _D = TypeVar("_D", bound=Detector)
 
-# Step losses move to the host in one transfer per this many sampled steps (and at each epoch's
-# end): an alert is read at most this many steps after its step.
-READ_EVERY = 8
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
 # The trend detectors are fed every this many steps (and at each epoch's end).
 SLOW_EVERY = 64
@@ -71,12 +67,18 @@ class AnomalyMonitor(Acting, Clock, Callback):
     what to try, and act on it.
 
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
-    every step's loss tensor, moved to the host in one transfer every few steps (so a
-    non-sampled step never waits for the device), and gradient statistics measured on the
-    device every ``grad_every_n_steps`` optimizer steps, and at the next step after the loss
-    raised an alert (per-layer norms with one fused op, dead-unit fractions), read in the same
-    transfer. Memory is bounded: every detector keeps
-    a fixed window. Each detector fires **once per episode** of its condition. The kinds:
+    every step's loss, from the run's loss tap, and gradient statistics measured on the device
+    every ``grad_every_n_steps`` optimizer steps, and at the next step after the loss raised
+    an alert (per-row norms with one op a layer, dead-unit fractions), read in the same
+    transfer. The monitor has no step hook: it looks at the run on the tap's step clock, so a
+    step with nothing due runs none of its code. Losses on an accelerator are moved to the
+    host in one transfer every 8 steps (a step never waits for the device); losses that the
+    host reads as they come (a CPU run of one process) are read every 64 steps once the
+    detectors are warm, and a value that could fire the NaN, spike, divergence or threshold
+    detectors is handed over on its own step (the tap's alarm: one comparison a step). The
+    trend detectors (plateau, not learning, negligible learning rate, recurring batch) read
+    every 64 steps. Memory is bounded: every detector keeps a fixed window. Each detector
+    fires **once per episode** of its condition. The kinds:
     ``nonfinite``, ``spike``, ``divergence``, ``plateau``, ``not_learning``, ``lr_negligible``,
     ``recurring_batch`` (on the step losses), ``grad_explosion``, ``grad_vanishing``,
     ``dying_relu``, ``saturation`` (on the sampled steps' gradients and activations),
@@ -114,8 +116,10 @@ class AnomalyMonitor(Acting, Clock, Callback):
             instance): ``{'spike': {'z': 8}, 'plateau': {'patience': 2000}}``. A detector of
             your own (an object with a ``kind``, ``reset()`` and ``update_many(steps, losses,
             epoch)`` returning alerts, e.g. a :class:`~stepwatch.monitor.detectors.Detector`
-            subclass) goes in the list; it is fed every step loss, and its alerts are logged,
-            stored and acted on like the built-in ones (its kind can key ``action``).
+            subclass) goes in the list; it is fed every step loss, every 8 steps (or, when it
+            defines ``alarm()``, the smallest value that could fire it now, as the built-in
+            ones read them), and its alerts are logged, stored and acted on like the built-in
+            ones (its kind can key ``action``).
         action: one action for every kind, a list of actions run in order, or a dict of kind
             -> action(s) (kinds left out warn): ``{'nonfinite': 'stop', 'spike': 'rollback'}``.
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
@@ -227,6 +231,10 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._view: RunView | None = None
         self._run_context: RunContext | None = None
         self._looking = False  # a look at the waiting values is asked for
+        self._alarming = False  # reading READ_EVERY_HOST at a time, with the tap's alarm
+        self._host_losses = False  # the tap's chunks hold floats (losses read on the host)
+        # only when every detector fed each batch says what it must see at once (alarm())
+        self._may_alarm = all(map(says_alarm, self._fast))
         self._groups: Any = None
         self._lr_changes: list[tuple[int, float]] = []  # (first step, rate), for plateau
         self._grad_due = 0  # the step of the next gradient measurement
@@ -311,16 +319,12 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     def _take(self, chunk: Chunk) -> None:
         """A chunk of step losses from the tap: queue it, and look at it at its last step."""
-        groups = self._groups
-        if groups is not None:  # the rate as of the chunk's last step (read once a chunk)
-            lr = groups[0]["lr"]
-            changes = self._lr_changes
-            if not changes or changes[-1][1] != lr:
-                changes.append((chunk.steps[-1], lr))
+        self._note_lr(chunk.steps[-1])
         if self._world > 1:
             self._block.append(chunk)  # reduced across ranks at the block's end
         else:
             self._inflight.append(("loss", chunk))
+            self._host_losses = type(chunk.host) is list
         self._look_at(chunk.steps[-1])
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
@@ -398,6 +402,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
         inflight = self._inflight
+        changed = False  # what the loss detectors must see at once may have moved
         while inflight:
             item = inflight[0]
             ready = item[1].ready if item[0] == "loss" else item[4]
@@ -407,11 +412,15 @@ class AnomalyMonitor(Acting, Clock, Callback):
             inflight.popleft()
             if item[0] == "loss":
                 alerts = self._detect_losses(item[1])
+                changed = True
             else:
                 alerts = self._detect_grads(item[1], item[2], item[3], item[4])
             self._raise_all(alerts, run_context)
+            changed = changed or bool(alerts)
         if self._slow_count >= SLOW_EVERY or (block and self._slow_count):
             self._raise_all(self._feed_slow(), run_context)
+        if changed:
+            self._set_alarm()  # after the actions: a rollback restarts what detectors watch
 
     def _raise_all(self, alerts: list[Alert], run_context: RunContext) -> None:
         rollbacks = self.rollbacks
@@ -463,16 +472,6 @@ class AnomalyMonitor(Acting, Clock, Callback):
         if alerts:
             self._grads_now()  # trouble in the loss: look at the gradients at once
         return alerts
-
-    def _rates(self, steps: range) -> list[float] | None:
-        """The learning rate at each of ``steps`` (from the recorded change points)."""
-        changes = self._lr_changes
-        if not changes:
-            return None
-        if len(changes) == 1:
-            return [changes[0][1]] * len(steps)
-        starts = [s for s, _ in changes]
-        return [changes[max(0, bisect.bisect_right(starts, s) - 1)][1] for s in steps]
 
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
