@@ -82,6 +82,7 @@ class WatchedRun:
         self._epoch_steps = 0
         self._warned_long_epoch = False
         self._last_step_end = 0.0
+        self._last_seen = 0  # the last step a hook or the tap's clock saw
         self._stack = contextlib.ExitStack()
         self.cb_params: CallbackParams
         self.run_context: RunContext
@@ -193,13 +194,17 @@ class WatchedRun:
         self.view.tap.begin_epoch(p.cur_epoch_num, p.cur_step_num + 1)
         self._cb_list.call("on_train_epoch_begin", self.run_context)
         self._last_step_end = time.perf_counter()
+        self._last_seen = p.cur_step_num
 
     def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> None:
         """Tell the run that one optimizer step is done.
 
         Call it after ``optimizer.step()`` (and before the next ``zero_grad``, so gradient
-        monitors can read the gradients). Nothing here waits for the device: the loss goes into
-        the run's loss tap as a detached tensor, and is read in batches.
+        monitors can read the gradients). Nothing here waits for an accelerator: a plain CPU
+        loss goes into the run's loss tap as a float (reading it waits for nothing), any other
+        as a detached tensor, read in batches. ``cb_params.cur_step_num`` counts every step;
+        with no step hook in the run, the other per-step fields (``loss_tensor``, ``outputs``,
+        ``train_dataset_element``, ``step_time``) are set at the steps a monitor looks at.
 
         Args:
             loss: the step's loss, a single-value tensor (the one you called ``backward`` on).
@@ -218,7 +223,10 @@ class WatchedRun:
                 else "run.step() was called before the run started: enter it first with "
                 "'with stepwatch.watch(...) as run:'."
             )
-        check_loss("run.step()", loss, "the step's loss tensor (the one backward() was called on)")
+        if type(loss) is not torch.Tensor or loss.numel() != 1:
+            check_loss(
+                "run.step()", loss, "the step's loss tensor (the one backward() was called on)"
+            )
         if not self._in_epoch:
             self._begin_epoch()
         p, fns = self.cb_params, self._cb_list.fns
@@ -235,23 +243,36 @@ class WatchedRun:
                 stacklevel=2,
             )
         p.cur_step_num = p.progress.trained_step = step
+        # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
+        # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
+        tap = self.view.tap
+        if type(loss) is torch.Tensor and loss.is_cpu:
+            value = loss.item()
+            tap.pending.append(value)
+            if not value <= tap.alarm:
+                tap.alarmed()
+        else:
+            tap.pending.append(loss.detach())
+        begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
+        due = tap.pushed_step >= tap.wake
+        if not (begin or end or due):
+            return  # nobody looks at this step: its other fields wait for the next look
         p.train_dataset_element = batch
-        detached = loss.detach()
-        p.loss_tensor = detached
+        p.loss_tensor = loss.detach()
         p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
-        now = time.perf_counter()
-        p.step_time = now - self._last_step_end
+        # Since the last step a hook or the tap's clock saw: this one, or a mean over several.
+        p.step_time = (time.perf_counter() - self._last_step_end) / (step - self._last_seen)
+        self._last_seen = step
         rolled = self.view.rollbacks
         seen = len(rolled)
         try:
             # The step has already run: its begin hooks see it just before the tap's calls
-            # due at it (a plain CPU loss goes in as a float: reading it waits for nothing)
-            # and its end hooks.
-            for fn in fns["on_train_step_begin"]:
+            # due at it and its end hooks.
+            for fn in begin:
                 fn(self.run_context)
-            plain = type(detached) is torch.Tensor and detached.is_cpu
-            self.view.tap.push(detached.item() if plain else detached)
-            for fn in fns["on_train_step_end"]:
+            if due:
+                tap.tick()
+            for fn in end:
                 fn(self.run_context)
         except BaseException as exc:
             self._cb_list.annotate(exc)
