@@ -8,6 +8,7 @@ return plain ``torch.Tensor`` objects, so it adds no cost to the arithmetic user
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 
 from ._validation import _got
 
-__all__ = ["Tensor", "check_loss", "stack_losses"]
+__all__ = ["Tensor", "check_loss", "detached", "stack_losses"]
 
 
 class Tensor(torch.Tensor):
@@ -53,6 +54,18 @@ def as_stepwatch_tensor(value: Any) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         return value.detach().as_subclass(Tensor)
+    return value
+
+
+def detached(value: Any) -> Any:
+    """``value`` with its tensors detached: a tensor, or a dict (a model output) or tuple/list
+    of them one level deep; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, Mapping):
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(v.detach() if isinstance(v, torch.Tensor) else v for v in value)
     return value
 
 

@@ -392,7 +392,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         # The Trainer's rule: a model given num_items_in_batch normalised the loss over the
         # whole accumulated batch, so the micro-batches' losses add up to the step's.
         self._summed = kwargs.get("num_items_in_batch") is not None
-        self._outputs = _detached(output)
+        self._outputs = output  # detached when the run looks at the step (run.step)
         self._inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"} or args
 
     def _close_micro_batch(self) -> None:
@@ -402,7 +402,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         if loss is None:
             self._missing = True
         else:
-            self._losses.append(loss.mean() if loss.numel() != 1 else loss.reshape(()))
+            if loss.dim():
+                loss = loss.mean() if loss.numel() != 1 else loss.reshape(())
+            self._losses.append(loss)
         self._current = self._recorded = None
 
     # -- epochs ---------------------------------------------------------------------------------
@@ -452,16 +454,6 @@ def _loss_of(output: Any) -> torch.Tensor | None:
     else:
         loss = None
     return loss.detach() if isinstance(loss, torch.Tensor) else None
-
-
-def _detached(output: Any) -> Any:
-    if isinstance(output, torch.Tensor):
-        return output.detach()
-    if isinstance(output, Mapping):
-        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in output.items()}
-    if isinstance(output, (tuple, list)):
-        return type(output)(v.detach() if isinstance(v, torch.Tensor) else v for v in output)
-    return output
 
 
 def _steps_per_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> int:

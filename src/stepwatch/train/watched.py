@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._tensor import check_loss
+from .._tensor import check_loss, detached
 from .._validation import _got, check_int
 from ..distributed import rank_and_world
 from ..view.run import RunView
@@ -259,7 +259,7 @@ class WatchedRun:
             return  # nobody looks at this step: its other fields wait for the next look
         p.train_dataset_element = batch
         p.loss_tensor = loss.detach()
-        p.outputs = outputs.detach() if isinstance(outputs, torch.Tensor) else outputs
+        p.outputs = detached(outputs)
         # Since the last step a hook or the tap's clock saw: this one, or a mean over several.
         p.step_time = (time.perf_counter() - self._last_step_end) / (step - self._last_seen)
         self._last_seen = step
