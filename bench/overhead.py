@@ -39,6 +39,8 @@ Configurations:
   gathers values; the picture is drawn on its own thread).
 * ``j rec+anom+prog`` - ``Model.train`` with ``RunRecorder(every_n_steps=1)``,
   ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
+* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what the
+  gradient statistics every 25 steps cost, as ``j2 - j``.
 * ``k watch`` - the raw loop of ``a`` with ``stepwatch.watch`` and the callbacks of ``j``
   (``run.step(loss)`` after each step), timed around the loop; paired with the same loop over
   the same network and optimizer without ``watch``.
@@ -228,6 +230,8 @@ def stepwatch_recorder_runner(
             callbacks.append(stepwatch.PlotMonitor(os.path.join(folder.name, "curves.png")))
         elif extra == "watchers":
             callbacks = _watchers(db, sink)
+        elif extra == "watchers, grads/100":
+            callbacks = _watchers(db, sink, grad_every=100)
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
@@ -251,17 +255,21 @@ def stepwatch_plot_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, extra="plot")
 
 
-def _watchers(db: str, sink: Any) -> list[stepwatch.Callback]:
+def _watchers(db: str, sink: Any, grad_every: int = 25) -> list[stepwatch.Callback]:
     """The monitors of the issue's goal: the store, the detectors and a progress display."""
     return [
         stepwatch.RunRecorder(db=db, every_n_steps=1),
-        stepwatch.AnomalyMonitor(),
+        stepwatch.AnomalyMonitor(grad_every_n_steps=grad_every),
         stepwatch.ProgressBar(file=sink),
     ]
 
 
 def stepwatch_watchers_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, extra="watchers")
+
+
+def stepwatch_watchers_sparse_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, extra="watchers, grads/100")
 
 
 def watch_runner(work: Workload) -> EpochRunner:
@@ -432,6 +440,7 @@ CONFIGS = [
     Config("h rec+progress", "epoch hooks (callback)", stepwatch_progress_runner),
     Config("i rec+plot", "epoch hooks (callback)", stepwatch_plot_runner),
     Config("j rec+anom+prog", "epoch hooks (callback)", stepwatch_watchers_runner),
+    Config("j2 ...,grads/100", "epoch hooks (callback)", stepwatch_watchers_sparse_runner),
     Config("k watch", "the loop itself", watch_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),
