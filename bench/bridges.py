@@ -13,6 +13,8 @@ alone (the pair's order alternates from round to round):
   has a batch-end hook: Keras hands batch-end hooks to a thread pool only while no callback
   has one, and runs them in line otherwise (on this machine the pool is the slower way);
   the bridge has one, so this is its fair floor;
+* ``empty bridge`` - the host with ``StepwatchCallback([])``: the bridge's own machinery
+  (its hooks and the run's step) with no stepwatch callback in it;
 * ``stepwatch`` - the host with ``StepwatchCallback([RunRecorder(every_n_steps=1),
   AnomalyMonitor()])``, recording every step's loss into a temporary SQLite run store;
 * the host's own logger, recording every step where it can: Lightning's ``CSVLogger`` and
@@ -149,6 +151,7 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
         "no-op callback": runner(lambda: [pl.Callback()], lambda: False),
+        "empty bridge": runner(lambda: [StepwatchCallback([])], lambda: False),
         "stepwatch": runner(
             lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False
         ),
@@ -227,6 +230,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list, []),
         "alone'": runner(list, []),
         "no-op callback": runner(lambda: [TrainerCallback()], []),
+        "empty bridge": runner(lambda: [StepwatchCallback([])], []),
         "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))], []),
         "tensorboard": runner(list, ["tensorboard"]),
     }
@@ -290,6 +294,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list),
         "alone'": runner(list),
         "no-op callback": runner(lambda: [BatchNoop()]),
+        "empty bridge": runner(lambda: [StepwatchCallback([])]),
         "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))]),
         "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
         "progress bar": runner(list, verbose=1),
@@ -366,7 +371,9 @@ def report(results: list[Pairs], steps: int) -> None:
     for host, shares in by_host.items():
         bridge, noise = shares["stepwatch"], shares["alone'"]
         loggers = {
-            k: v for k, v in shares.items() if k not in ("stepwatch", "alone'", "no-op callback")
+            k: v
+            for k, v in shares.items()
+            if k not in ("stepwatch", "alone'", "no-op callback", "empty bridge")
         }
         dispatch = shares["no-op callback"]
         # Judged by the larger of its cost over the host alone and over a no-op callback (a
@@ -377,7 +384,8 @@ def report(results: list[Pairs], steps: int) -> None:
             f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
             f"{'met' if judged <= GOAL else 'NOT met'}); noise floor "
             f"{noise * 100:+.1f}%; a no-op callback {dispatch * 100:+.1f}% (the bridge over it: "
-            f"{(bridge - dispatch) * 100:+.1f}%); cheaper than "
+            f"{(bridge - dispatch) * 100:+.1f}%); the bridge with no callback in it "
+            f"{shares['empty bridge'] * 100:+.1f}%; cheaper than "
             f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
         )
     print("\n".join(verdicts))
