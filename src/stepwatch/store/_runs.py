@@ -129,6 +129,18 @@ def keep_runs(
     return items[-last:] if last is not None else items
 
 
+def run_reference(run: Any) -> tuple[bool, int | str]:
+    """``(by_id, value)`` for a run given by id (an int or a string of digits) or by name.
+
+    Raises:
+        TypeError: ``run`` is neither.
+    """
+    if isinstance(run, bool) or not isinstance(run, (int, str)):
+        raise TypeError(f"'run' must be a run id or name, but got {run!r}.")
+    by_id = isinstance(run, int) or run.isdigit()
+    return by_id, int(run) if by_id else run
+
+
 def run_filters(
     status: str | None,
     last: int | None,

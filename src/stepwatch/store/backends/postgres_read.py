@@ -28,6 +28,7 @@ from .._runs import (
     _nan,
     keep_runs,
     run_filters,
+    run_reference,
 )
 from ..base import Store, StoreUnreachable, parse_location
 from .postgres_schema import check_version, connect, psycopg, scrub, stored_version
@@ -276,12 +277,9 @@ class PostgresStore(Store):
         Raises:
             KeyError: no such run.
         """
-        if isinstance(run, bool) or not isinstance(run, (int, str)):
-            raise TypeError(f"'run' must be a run id or name, but got {run!r}.")
-        by_id = isinstance(run, int) or run.isdigit()
+        by_id, arg = run_reference(run)
         where = "r.id = %s" if by_id else "r.name = %s ORDER BY r.id DESC LIMIT 1"
         sql = f"SELECT {_RUN_COLUMNS} FROM runs r WHERE {where}"
-        arg = int(run) if by_id else run
         row = self._read(lambda conn: conn.execute(sql, (arg,)).fetchone())
         if row is None:
             raise KeyError(f"no run {run!r} in {self.location!r}")

@@ -27,6 +27,7 @@ from .._runs import (
     effective_status,
     keep_runs,
     run_filters,
+    run_reference,
 )
 from ..base import Store, parse_location
 from . import sqlite_rollup as _rollup
@@ -228,13 +229,11 @@ class SQLiteStore(Store):
         Raises:
             KeyError: no such run.
         """
-        if isinstance(run, bool) or not isinstance(run, (int, str)):
-            raise TypeError(f"'run' must be a run id or name, but got {run!r}.")
-        by_id = isinstance(run, int) or run.isdigit()
+        by_id, arg = run_reference(run)
         where = "r.id = ?" if by_id else "r.name = ? ORDER BY r.id DESC"
         with self._snapshot() as conn:
             row = conn.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE {where}", (int(run) if by_id else run,)
+                f"SELECT {_RUN_COLUMNS} FROM runs r WHERE {where}", (arg,)
             ).fetchone()
         if row is None:
             raise KeyError(f"no run {run!r} in {str(self.path)!r}")
