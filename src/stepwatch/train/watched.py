@@ -246,15 +246,9 @@ class WatchedRun:
         # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
         # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
         tap = self.view.tap
-        if type(loss) is torch.Tensor and loss.is_cpu:
-            value = loss.item()
-            tap.pending.append(value)
-            if not value <= tap.alarm:
-                tap.alarmed()
-        else:
-            tap.pending.append(loss.detach())
+        plain = type(loss) is torch.Tensor and loss.is_cpu
+        due = tap.add(loss.item() if plain else loss.detach())
         begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
-        due = tap.pushed_step >= tap.wake
         if not (begin or end or due):
             return  # nobody looks at this step: its other fields wait for the next look
         p.train_dataset_element = batch

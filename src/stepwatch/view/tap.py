@@ -224,12 +224,17 @@ class LossTap:
 
     def push(self, loss: Any) -> None:
         """Add the next step's loss (a float, or a detached tensor); :meth:`tick` when due."""
+        if self.add(loss):
+            self.tick()
+
+    def add(self, loss: Any) -> bool:
+        """Add the next step's loss without ticking; return whether :meth:`tick` is due (a
+        host that runs its own hooks around the tick, as ``run.step()``)."""
         pending = self.pending
         pending.append(loss)
         if type(loss) is float and not loss <= self.alarm:
             self.alarmed()
-        if self.next_step + len(pending) - 1 >= self.wake:
-            self.tick()
+        return self.next_step + len(pending) - 1 >= self.wake
 
     def tick(self) -> None:
         """Called by the host once its step reaches :attr:`wake`: cut a chunk at the multiples
