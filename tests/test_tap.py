@@ -175,3 +175,18 @@ def test_a_users_detector_with_alarm_is_read_on_its_step_and_one_without_within_
     assert run(OwnAlarm(50.0)) == (140, "loss_above", 140)
     # Without alarm() the monitor keeps reading every 8 steps: the next multiple of 8.
     assert run(LossAbove(50.0)) == (140, "loss_above", 144)
+
+
+def test_wrong_calls_and_alarms_are_refused() -> None:
+    tap = LossTap()
+    with pytest.raises(TypeError, match="'step' must be an int"):
+        tap.call_at(2.5, print)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'step' must be an int >= 0"):
+        tap.call_at(-1, print)
+    with pytest.raises(TypeError, match="'fn'"):
+        tap.call_at(3, "look")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="'level' must be a number"):
+        tap.set_alarm(object(), "high")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not NaN"):
+        tap.set_alarm(object(), math.nan)
+    assert tap.alarm == math.inf and tap._timers == []

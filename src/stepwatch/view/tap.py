@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .._tensor import stack_losses
+from .._validation import check_callable, check_int, check_number
 
 __all__ = ["DEFAULT_INTERVAL", "Chunk", "LossTap"]
 
@@ -179,7 +180,15 @@ class LossTap:
         """Wake the tap at once (cut a chunk that ends there) when a float loss is above
         ``level`` or not a number, instead of at the next interval: ``owner`` reads batches
         seldom but must see such a value on its step. The tap's :attr:`alarm` is the lowest
-        level asked for; :meth:`unsubscribe` with ``owner`` drops it."""
+        level asked for; :meth:`unsubscribe` with ``owner`` drops it.
+
+        Raises:
+            TypeError: ``level`` is not a number. ValueError: it is NaN.
+        """
+        level = check_number("level", level)
+        if math.isnan(level):
+            raise ValueError("'level' must be a number or +/-inf, not NaN; pass math.inf to be "
+                             "woken by non-finite losses only.")  # fmt: skip
         self._alarms[id(owner)] = level
         self.alarm = min(self._alarms.values())
 
@@ -193,7 +202,13 @@ class LossTap:
     def call_at(self, step: int, fn: Callable[[int], Any]) -> None:
         """Call ``fn(step)`` once, at the end of global step ``step`` (the next step when that
         one has passed): after its loss was pushed, with ``cb_params`` filled for it and the
-        step's gradients still on the parameters. ``fn`` may ask again from there."""
+        step's gradients still on the parameters. ``fn`` may ask again from there.
+
+        Raises:
+            TypeError: ``step`` is not an int, ``fn`` not callable. ValueError: ``step`` < 0.
+        """
+        check_int("step", step, minimum=0)
+        check_callable("fn", fn, allow_none=False)
         self._timers.append((step, fn))
         self._soonest = min(self._soonest, step)
         if step < self.wake:
