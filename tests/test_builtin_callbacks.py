@@ -44,6 +44,31 @@ def test_loss_monitor_prints_on_global_step_cadence(capsys: pytest.CaptureFixtur
         assert re.fullmatch(r"epoch: \d+ step: \d+, loss is \d+\.\d+(e-?\d+)?", line)
 
 
+def test_loss_monitor_prints_from_the_clock_not_a_step_hook(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from stepwatch.train.callback import CallbackList
+
+    assert CallbackList([LossMonitor(10)]).table["on_train_step_end"] == []
+
+    class Counted(LossMonitor):  # a subclass's step hook runs, and super() prints once
+        def on_train_step_end(self, run_context: Any) -> None:
+            self.seen = getattr(self, "seen", 0) + 1
+            super().on_train_step_end(run_context)
+
+    class Old(LossMonitor):  # the MindSpore 1.x name, with super()
+        def step_end(self, run_context: Any) -> None:
+            super().step_end(run_context)
+
+    expected = ["epoch: 1 step: 10", "epoch: 2 step: 4", "epoch: 2 step: 14"]
+    counted = Counted(10)
+    for monitor in (LossMonitor(10), counted, Old(10)):
+        make_model().train(2, make_batches(16), callbacks=[monitor])
+        lines = capsys.readouterr().out.splitlines()
+        assert [line.split(",")[0] for line in lines] == expected, type(monitor).__name__
+    assert counted.seen == 32  # every step
+
+
 def test_loss_monitor_zero_never_prints(capsys: pytest.CaptureFixture[str]) -> None:
     make_model().train(1, make_batches(4), callbacks=[LossMonitor(0)])
     assert capsys.readouterr().out == ""

@@ -6,7 +6,7 @@ import contextlib
 import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from ._params import CallbackParams, Progress
 
@@ -35,6 +35,7 @@ ORDER_RECORD = 200  # recorders, which record what every other callback did
 #                   the run is meant to be resumed;
 #   "anomaly"     - training went wrong (a non-finite loss): do not overwrite good checkpoints.
 StopKind = Literal["requested", "interrupted", "anomaly"]
+_F = TypeVar("_F", bound=Callable[..., Any])
 STOP_KINDS: tuple[str, ...] = ("requested", "interrupted", "anomaly")
 # A stop of a graver kind wins over a milder one requested earlier.
 _GRAVITY = {kind: i for i, kind in enumerate(STOP_KINDS)}
@@ -308,13 +309,26 @@ def is_stateful(callback: Any) -> bool:
     return isinstance(callback, Callback) and type(callback).state_dict is not Callback.state_dict
 
 
-def _hook_function(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
-    """What the loop calls for ``hook`` on ``callback``, or None when nothing would run.
+def on_clock(fn: _F) -> _F:
+    """Mark a built-in's hook as run from the step clock: the loop does not call it (a direct
+    call runs it); a subclass's override of it or of its 1.x name is called."""
+    fn._on_clock = True  # type: ignore[attr-defined]
+    return fn
 
-    The more derived of the hook and its 1.x name wins, as in MindSpore: a subclass of a
-    built-in that overrides ``step_end`` is called at every step, where the built-in itself
-    implements ``on_train_step_end``. Functions set on the instance come first.
-    """
+
+def hook_on_clock(callback: Callback, hook: str) -> bool:
+    """True when the loop leaves ``hook`` of ``callback`` to the step clock (:func:`on_clock`)."""
+    return bool(getattr(_resolve(callback, hook), "_on_clock", False))
+
+
+def _hook_function(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
+    """What the loop calls for ``hook`` on ``callback``; None when nothing (or the clock) runs."""
+    return None if hook_on_clock(callback, hook) else _resolve(callback, hook)
+
+
+def _resolve(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
+    """The more derived of the hook and its 1.x name (as in MindSpore: a subclass's
+    ``step_end`` over a built-in's ``on_train_step_end``); an instance's function first."""
     old = OLD_NAME[hook]
     inst = callback.__dict__
     if hook in inst:
