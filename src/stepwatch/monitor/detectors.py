@@ -277,6 +277,14 @@ class Divergence(Detector):
         # The common case, a quiet batch once warm: every step's level in one numpy call.
         k, n = self.level_window, len(values)
         warm = self._seen > self.warmup and len(self._values) == self.window
+        if not warm and n and math.isfinite(sum(values)):
+            seen = self._seen + n
+            if seen <= self.warmup or len(self._values) + n < self.window:
+                # warming up to its last value: update() would only take them in
+                self._recent.extend(values)
+                self._values.extend(values)
+                self._seen, self._since = seen, self._since + n
+                return []
         if not (warm and n and not self._over and math.isfinite(sum(values))):
             return super().update_many(steps, values, epoch)
         best = self._best

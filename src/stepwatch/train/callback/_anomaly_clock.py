@@ -78,6 +78,9 @@ class Clock:
     def _reduce_block(self) -> None:
         raise NotImplementedError
 
+    def _raise_all(self, alerts: list[Alert], run_context: RunContext) -> None:
+        raise NotImplementedError
+
     def _block_due(self) -> bool:
         raise NotImplementedError
 
@@ -179,10 +182,17 @@ class Clock:
         if measured is None:  # mid accumulation window, or no gradient yet: the next step
             self._grads_at(step + 1)
             return
-        self._ship_grads(step, p.cur_epoch_num, measured)
         self._note_lr(step)
         self._grads_at(step + self.grad_every_n_steps)
-        self._look_at(step)
+        if measured.is_cuda or self._inflight or self._world > 1:
+            self._ship_grads(step, p.cur_epoch_num, measured)
+            self._look_at(step)
+            return
+        # On the host, with nothing queued before it: judged now, without a look of its own.
+        alerts = self._detect_grads(step, p.cur_epoch_num, measured, None)
+        if alerts:
+            self._raise_all(alerts, self._run_context)
+            self._set_alarm()
 
     def _grads_now(self) -> None:
         """Trouble in the loss: look at the gradients at the next step."""
