@@ -167,6 +167,7 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         self._seen_step = 0
         self._accumulate = 1
         self._automatic = True
+        self._unscaled = True  # Lightning did not divide each batch's loss (no accumulation)
         self._evals: dict[str, float] = {}
         self._before: dict[str, Any] = {}
         self._warned_no_loss = False
@@ -178,6 +179,7 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         self._seen_step = int(trainer.global_step)
         self._accumulate = max(1, int(trainer.accumulate_grad_batches))
         self._automatic = bool(pl_module.automatic_optimization)
+        self._unscaled = not self._automatic or self._accumulate == 1
         self._warned_no_loss = False
         optimizers = list(trainer.optimizers)
         optimizer = optimizers[0] if optimizers else None
@@ -222,12 +224,13 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if not self._bridge.running:
+        run = self._bridge.run
+        if run is None:
             return
         loss = _loss_of(outputs)
         if loss is not None:
             self._pending.append(loss)
-        step = int(trainer.global_step)
+        step = trainer.global_step
         if step == self._seen_step:
             return  # accumulating: no optimizer step yet
         self._seen_step = step
@@ -235,7 +238,13 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         if not pending:
             self._warn_no_loss(step)
             return
-        if self._bridge.step(self._step_loss(pending), outputs, batch):
+        loss = pending[0] if len(pending) == 1 and self._unscaled else self._step_loss(pending)
+        try:
+            run.step(loss, outputs, batch)  # (Bridge.step, inlined: this runs every step)
+        except BaseException as exc:
+            self._bridge.end(exc)
+            raise
+        if run.should_stop:
             self._stop(trainer)
 
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -310,7 +319,9 @@ class StepwatchCallback(BridgeFace, pl.Callback):
 def _loss_of(outputs: Any) -> torch.Tensor | None:
     """The loss in what ``training_step`` returned (Lightning's copy of it): a tensor, or the
     ``'loss'`` of a dict; None when there is none."""
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    loss = outputs.get("loss") if type(outputs) is dict or isinstance(outputs, Mapping) else outputs
+    if type(loss) is torch.Tensor and not loss.requires_grad and loss.numel() == 1:
+        return loss  # Lightning's detached copy (the common case)
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.detach()
     return None

@@ -267,8 +267,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        self._reset_step()
-        return self._end_waiting_epoch(control)
+        if self._losses or self._missing:
+            self._reset_step()  # what a step that did not finish left
+        return self._end_waiting_epoch(control) if self._epoch_waits else control
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -279,7 +280,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
         bridge = self._bridge
-        if not bridge.running:
+        run = bridge.run
+        if run is None:
             return control
         self._close_micro_batch()
         losses, missing = self._losses, self._missing
@@ -296,22 +298,21 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         if len(losses) == 1:
             loss = losses[0]
         else:
-            stacked = torch.stack(losses)
+            stacked = torch.stack([t.detach() for t in losses])
             loss = stacked.sum() if self._summed else stacked.mean()
-        run = bridge.run
-        assert run is not None
         run.cb_params.optimizer_stepped = not getattr(self._optimizer, "step_was_skipped", False)
         outputs, inputs = self._outputs, self._inputs
         self._reset_step()
         self._in_step = True
         try:
-            stop = bridge.step(loss, outputs, inputs)
-        except BaseException:
+            run.step(loss, outputs, inputs)  # (Bridge.step, inlined: this runs every step)
+        except BaseException as exc:
+            bridge.end(exc)
             self._release()
             raise
         finally:
             self._in_step = False
-        if stop:
+        if run.should_stop:
             control.should_training_stop = True
         return control
 
@@ -386,14 +387,16 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._inputs = None
 
     def _forward_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not module.training or not torch.is_grad_enabled() or not self._bridge.running:
+        if not module.training or self._bridge.run is None or not torch.is_grad_enabled():
             return  # evaluation, prediction, or outside training
-        self._current = _loss_of(output)
+        self._current = _loss_of(output)  # read (or detached) by run.step
         # The Trainer's rule: a model given num_items_in_batch normalised the loss over the
         # whole accumulated batch, so the micro-batches' losses add up to the step's.
         self._summed = kwargs.get("num_items_in_batch") is not None
         self._outputs = output  # detached when the run looks at the step (run.step)
-        self._inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"} or args
+        if "num_items_in_batch" in kwargs:
+            kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        self._inputs = kwargs or args
 
     def _close_micro_batch(self) -> None:
         loss = self._recorded if self._recorded is not None else self._current
@@ -447,13 +450,13 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
 def _loss_of(output: Any) -> torch.Tensor | None:
     """The loss in a model's output, as the Trainer finds it: ``output['loss']`` of a dict
     (a ``ModelOutput``), else the first item of a tuple."""
-    if isinstance(output, Mapping):
+    if type(output) is dict or isinstance(output, Mapping):
         loss = output.get("loss")
     elif isinstance(output, (tuple, list)) and output:
         loss = output[0]
     else:
         loss = None
-    return loss.detach() if isinstance(loss, torch.Tensor) else None
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _steps_per_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> int:

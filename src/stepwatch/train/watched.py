@@ -245,11 +245,18 @@ class WatchedRun:
         p.cur_step_num = p.progress.trained_step = step
         # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
         # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
+        # (LossTap.add, inlined: this runs every step.)
         tap = self.view.tap
-        plain = type(loss) is torch.Tensor and loss.is_cpu
-        due = tap.add(loss.item() if plain else loss.detach())
+        if type(loss) is torch.Tensor and loss.is_cpu:
+            value = loss.item()
+            tap.pending.append(value)
+            if not value <= tap.alarm:
+                tap.alarmed()
+        else:
+            tap.pending.append(loss.detach())
+        due = step >= tap.wake
         begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
-        if not (begin or end or due):
+        if not (due or begin or end):
             return  # nobody looks at this step: its other fields wait for the next look
         p.train_dataset_element = batch
         p.loss_tensor = loss.detach()
