@@ -44,12 +44,12 @@ def test_loss_monitor_prints_on_global_step_cadence(capsys: pytest.CaptureFixtur
         assert re.fullmatch(r"epoch: \d+ step: \d+, loss is \d+\.\d+(e-?\d+)?", line)
 
 
-def test_loss_monitor_prints_from_the_clock_not_a_step_hook(
+def test_loss_monitor_step_hook_runs_only_at_its_printing_steps(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from stepwatch.train.callback import CallbackList
 
-    assert CallbackList([LossMonitor(10)]).table["on_train_step_end"] == []
+    assert not CallbackList([LossMonitor(10)]).every_step  # called where the clock wakes
 
     class Counted(LossMonitor):  # a subclass's step hook runs, and super() prints once
         def on_train_step_end(self, run_context: Any) -> None:
@@ -67,6 +67,7 @@ def test_loss_monitor_prints_from_the_clock_not_a_step_hook(
         lines = capsys.readouterr().out.splitlines()
         assert [line.split(",")[0] for line in lines] == expected, type(monitor).__name__
     assert counted.seen == 32  # every step
+    assert CallbackList([counted]).every_step and CallbackList([Old(10)]).every_step
 
 
 def test_loss_monitor_zero_never_prints(capsys: pytest.CaptureFixture[str]) -> None:

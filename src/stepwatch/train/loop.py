@@ -188,11 +188,13 @@ def train_epoch(
       hooks can read ``.grad``.
     * ``cb_params.progress.trained_step`` is the last step whose backward (and, at a window's
       end, optimizer update) finished; a step that raises half-way is not counted.
-    * With no step hooks, cb_params' per-step fields (``cur_step_num``, ``loss_tensor``,
-      ``outputs``, ``train_dataset_element``, ``step_time``) are set only at the steps where
-      the tap's clock wakes a monitor (:meth:`~stepwatch.view.tap.LossTap.call_at`, a chunk
-      due) and once after the loop: nobody else can look at them during the epoch, so the
-      loop does only the training and one comparison.
+    * With no step hook that runs every step (the step-end hooks of built-ins marked
+      ``on_clock``, such as LossMonitor's, run only where the clock wakes), cb_params'
+      per-step fields (``cur_step_num``, ``loss_tensor``, ``outputs``,
+      ``train_dataset_element``, ``step_time``) are set only at the steps where the tap's
+      clock wakes a monitor (:meth:`~stepwatch.view.tap.LossTap.call_at`, a chunk due) and
+      once after the loop: nobody else can look at them during the epoch, so the loop does
+      only the training and one comparison.
     * ``step_time`` covers loading the batch, the step-begin hooks and the step, not the
       step-end hooks or the tap's calls; at a step that only the clock sees, it is the mean
       over the steps since the last one seen.
@@ -241,7 +243,7 @@ def train_epoch(
     network.train()
     on_cpu = device.type == "cpu"
     tensor = torch.Tensor
-    hooked = bool(step_begin or step_end)
+    hooked = cb_list.every_step  # else the step-end hooks run where the clock wakes
     # The first step of a compiled network includes the compile: timed on its own.
     time_first = opts.forward_network is not None and "compile_seconds" not in cb_params
     epoch_start = last_step_end = perf_counter()

@@ -203,7 +203,7 @@ class WatchedRun:
         monitors can read the gradients). Nothing here waits for an accelerator: a plain CPU
         loss goes into the run's loss tap as a float (reading it waits for nothing), any other
         as a detached tensor, read in batches. ``cb_params.cur_step_num`` counts every step;
-        with no step hook in the run, the other per-step fields (``loss_tensor``, ``outputs``,
+        with no step hook in the run that runs every step, the other per-step fields (``loss_tensor``, ``outputs``,
         ``train_dataset_element``, ``step_time``) are set at the steps a monitor looks at.
 
         Args:
@@ -255,9 +255,9 @@ class WatchedRun:
         else:
             tap.pending.append(loss.detach())
         due = step >= tap.wake
-        begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
-        if not (due or begin or end):
+        if not (due or self._cb_list.every_step):
             return  # nobody looks at this step: its other fields wait for the next look
+        begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
         p.train_dataset_element = batch
         p.loss_tensor = loss.detach()
         p.outputs = detached(outputs)

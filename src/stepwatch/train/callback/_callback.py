@@ -310,25 +310,18 @@ def is_stateful(callback: Any) -> bool:
 
 
 def on_clock(fn: _F) -> _F:
-    """Mark a built-in's hook as run from the step clock: the loop does not call it (a direct
-    call runs it); a subclass's override of it or of its 1.x name is called."""
+    """Mark a built-in's ``on_train_step_end`` as needed only at the steps it asks the run's
+    step clock for (:meth:`~stepwatch.view.tap.LossTap.call_at`): a run whose step-end hooks
+    are all marked runs the hookless loop, and calls them, in their order, at the steps the
+    clock wakes. A subclass's override (or its 1.x ``step_end``) is called every step."""
     fn._on_clock = True  # type: ignore[attr-defined]
     return fn
 
 
-def hook_on_clock(callback: Callback, hook: str) -> bool:
-    """True when the loop leaves ``hook`` of ``callback`` to the step clock (:func:`on_clock`)."""
-    return bool(getattr(_resolve(callback, hook), "_on_clock", False))
-
-
 def _hook_function(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
-    """What the loop calls for ``hook`` on ``callback``; None when nothing (or the clock) runs."""
-    return None if hook_on_clock(callback, hook) else _resolve(callback, hook)
-
-
-def _resolve(callback: Callback, hook: str) -> Callable[[RunContext], Any] | None:
-    """The more derived of the hook and its 1.x name (as in MindSpore: a subclass's
-    ``step_end`` over a built-in's ``on_train_step_end``); an instance's function first."""
+    """What the loop calls for ``hook`` on ``callback``, or None when nothing would run: the
+    more derived of the hook and its 1.x name (as in MindSpore: a subclass's ``step_end`` over
+    a built-in's ``on_train_step_end``); a function set on the instance first."""
     old = OLD_NAME[hook]
     inst = callback.__dict__
     if hook in inst:
@@ -430,6 +423,10 @@ class CallbackList:
         self.fns: dict[str, list[Callable[[RunContext], Any]]] = {
             hook: [fn for _, fn in entries] for hook, entries in self.table.items()
         }
+        # Some training step hook must run at every step (else only where the clock wakes).
+        self.every_step = bool(self.fns["on_train_step_begin"]) or any(
+            not getattr(fn, "_on_clock", False) for fn in self.fns["on_train_step_end"]
+        )
         # For naming the culprit of an exception from its traceback.
         self._ids = {id(cb): cb for cb in self.callbacks}
         self._codes: dict[Any, tuple[Callback, str]] = {}

@@ -10,7 +10,7 @@ from ..._validation import check_bool, check_int
 from ...distributed import sum_across
 from ...monitor.schedule import Every
 from ...view.run import RunView, view_of
-from ._callback import Callback, RunContext, hook_on_clock, on_clock
+from ._callback import Callback, RunContext, on_clock
 from ._print import emit
 
 __all__ = ["LossMonitor"]
@@ -28,9 +28,9 @@ class LossMonitor(Callback):
 
     The cadence counts global steps (with 16 steps per epoch and ``per_print_times=10`` it prints
     at epoch 1 step 10, epoch 2 step 4, epoch 2 step 14). The loss is read from the device only
-    on the steps that print. It has no step hook: it prints from the run's step clock (the loss
-    tap's :meth:`~stepwatch.view.tap.LossTap.call_at`) at the end of a printing step, before
-    that step's ``on_train_step_end`` hooks, so the other steps run none of its code (a
+    on the steps that print. Its step hook is called only at those steps: it asks the run's
+    step clock (the loss tap's :meth:`~stepwatch.view.tap.LossTap.call_at`) to wake the loop
+    there, so a run without other step hooks runs the hookless loop on the other steps (a
     subclass that overrides the step hook is called at every step, as in MindSpore).
 
     A NaN or infinite loss stops training with a ValueError: on a printing step, or at the
@@ -66,9 +66,7 @@ class LossMonitor(Callback):
         self._printing = True
         self._deferred = False
         self._view: RunView | None = None
-        self._run_context: RunContext | None = None
-        self._armed = 0  # the step its call on the clock is for (0: none)
-        self._clocked = False  # prints from the clock (in a run, unless a subclass hooks steps)
+        self._armed = 0  # the step the clock wakes the loop at for it (0: none)
 
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -76,10 +74,8 @@ class LossMonitor(Callback):
         self._printing = cb_params.rank_id == 0 or self.all_ranks
         self._prefix = f"[rank {cb_params.rank_id}] " if self.all_ranks and self._world > 1 else ""
         self._schedule.reset(0)
-        self._clocked = hook_on_clock(self, "on_train_step_end")
-        if self._clocked:
-            self._view, self._run_context, self._armed = view_of(cb_params), run_context, 0
-            self._arm()
+        self._view, self._armed = view_of(cb_params), 0
+        self._arm()
         # A monitor that acts on non-finite losses (AnomalyMonitor) decides: print, not raise.
         others = cb_params.get("list_callback") or ()
         self._deferred = any(getattr(cb, "handles_nonfinite", False) for cb in others)
@@ -93,30 +89,24 @@ class LossMonitor(Callback):
             )
 
     def _arm(self) -> None:
-        """Ask the clock for a call at the next printing step (once per step)."""
+        """Have the run's clock wake the loop at the next printing step (its step-end hooks,
+        this one among them, run there in their order)."""
         nxt = self._schedule.next_step
         if self._view is not None and nxt != self._armed and nxt != float("inf"):
             self._armed = int(nxt)
-            self._view.tap.call_at(self._armed, self._at)
+            self._view.tap.call_at(self._armed, self._wake)
 
-    def _at(self, step: int) -> None:
-        run_context = self._run_context
-        if step < self._armed or run_context is None:
-            return  # a call asked for before a resume moved the next print
-        self._armed = 0
-        if self._schedule.due(step):
-            self._print(run_context, step)
-        self._arm()
+    def _wake(self, step: int) -> None:
+        if step >= self._armed:
+            self._armed = 0  # the step hook prints at this step and asks for the next
 
     @on_clock
     def on_train_step_end(self, run_context: RunContext) -> None:
-        """Print if this step is due: what a run's clock does for it, called directly (the
-        MindSpore 1.x ``step_end(rc)``) or from a subclass's step hook."""
-        if self._clocked:
-            return  # the clock prints
         step = run_context.cb_params.cur_step_num
-        if step >= self._schedule.next_step and self._schedule.due(step):
-            self._print(run_context, step)
+        if step < self._schedule.next_step or not self._schedule.due(step):
+            return
+        self._print(run_context, step)
+        self._arm()
 
     def _print(self, run_context: RunContext, step: int) -> None:
         cb_params = run_context.cb_params
@@ -141,8 +131,7 @@ class LossMonitor(Callback):
     def __exit__(self, *err: Any) -> None:
         if self._view is not None:
             self._view.tap.unsubscribe(self)
-        self._view = self._run_context = None
-        self._clocked = False
+        self._view = None
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
