@@ -319,6 +319,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if not self._unfinished:
+            return
         unfinished, self._unfinished = self._unfinished, []
         for folder in unfinished:
             try:

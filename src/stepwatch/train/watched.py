@@ -203,8 +203,9 @@ class WatchedRun:
         monitors can read the gradients). Nothing here waits for an accelerator: a plain CPU
         loss goes into the run's loss tap as a float (reading it waits for nothing), any other
         as a detached tensor, read in batches. ``cb_params.cur_step_num`` counts every step;
-        with no step hook in the run that runs every step, the other per-step fields (``loss_tensor``, ``outputs``,
-        ``train_dataset_element``, ``step_time``) are set at the steps a monitor looks at.
+        with no step hook in the run that runs every step, the other per-step fields
+        (``loss_tensor``, ``outputs``, ``train_dataset_element``, ``step_time``) are set at the
+        steps a monitor looks at.
 
         Args:
             loss: the step's loss, a single-value tensor (the one you called ``backward`` on).

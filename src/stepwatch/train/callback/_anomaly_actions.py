@@ -110,6 +110,7 @@ class GradStats:
         self.names = [n for n, _ in layers]
         self.params = [p for _, p in layers]
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
+        self._matrix = [p.dim() == 2 and p.shape[0] > 0 for p in self.params]  # no reshape op
         self._starts = [0, *itertools.accumulate(self.rows)][:-1]
 
     def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
@@ -121,7 +122,8 @@ class GradStats:
             return None
         norm = torch.linalg.vector_norm
         parts = [
-            norm(g.reshape(r, -1), dim=1, dtype=torch.float32) for g, r in zip(grads, self.rows)
+            norm(g if matrix else g.reshape(r, -1), dim=1, dtype=torch.float32)
+            for g, r, matrix in zip(grads, self.rows, self._matrix)
         ]
         if extra:
             parts.append(torch.stack(list(extra)).to(parts[0].device, parts[0].dtype))
