@@ -362,6 +362,14 @@ def test_every_steps_and_seconds() -> None:
         Every(seconds=-1)
 
 
+def test_pace_ramps_up_from_one_step_ahead() -> None:
+    from stepwatch.monitor.schedule import Pace
+
+    pace = Pace(seconds=10.0, most=64)  # steps far faster than its 2.5 s: only the caps bind
+    pace.reset(0)
+    assert [pace.ahead(step) for step in range(1, 10)] == [2, 4, 8, 16, 32, 64, 64, 64, 64]
+
+
 def test_ring_buffer_is_bounded_and_ordered() -> None:
     ring = RingBuffer(4)
     for i in range(10):

@@ -84,7 +84,8 @@ class Every:
 class Pace:
     """How many steps ahead a monitor on the step clock should look again, so that its looks
     come about ``per_period`` times every ``seconds``, whatever the steps' speed: the distance
-    follows the step rate seen since the last look (one step ahead at first, at most
+    follows the step rate seen since the last look (one step ahead at first, at most twice the
+    last distance, so a fast first step does not send it far ahead of slow ones, and at most
     ``most``).
 
     Example:
@@ -94,17 +95,17 @@ class Pace:
         True
     """
 
-    __slots__ = ("_step", "_time", "most", "per_period", "seconds")
+    __slots__ = ("_ahead", "_step", "_time", "most", "per_period", "seconds")
 
     def __init__(self, seconds: float, per_period: int = 4, most: int = 4096) -> None:
         self.seconds = check_number("seconds", seconds, minimum=0.0)
         self.per_period = check_int("per_period", per_period, minimum=1)
         self.most = check_int("most", most, minimum=1)
-        self._step, self._time = 0, time.perf_counter()
+        self._step, self._time, self._ahead = 0, time.perf_counter(), 1
 
     def reset(self, step: int) -> None:
         """Count the rate from ``step`` and from now."""
-        self._step, self._time = step, time.perf_counter()
+        self._step, self._time, self._ahead = step, time.perf_counter(), 1
 
     def ahead(self, step: int) -> int:
         """Steps from ``step`` to the next look (at least 1)."""
@@ -113,4 +114,6 @@ class Pace:
         self._step, self._time = step, now
         if elapsed <= 0 or done <= 0:
             return 1
-        return max(1, min(self.most, int(done / elapsed * self.seconds / self.per_period)))
+        rate = int(done / elapsed * self.seconds / self.per_period)
+        self._ahead = max(1, min(self.most, 2 * self._ahead, rate))
+        return self._ahead

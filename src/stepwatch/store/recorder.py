@@ -15,7 +15,7 @@ import torch
 
 from .._validation import check_int, check_number
 from ..monitor import values as names
-from ..monitor.schedule import Every
+from ..monitor.schedule import Every, Pace
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
 from ..train.step import scale_tensor
 from ..view.run import RunView, view_of
@@ -49,11 +49,6 @@ def _directions(metrics: Mapping[str, Any], validates: bool) -> dict[str, str]:
     keys = names.epoch_values(train, valid, validates=validates, aliases=False)
     found = {key: names.direction(key, declared) for key in keys}
     return {key: d for key, d in sorted(found.items()) if d is not None}
-
-
-# The clock is read once per this many steps (to transfer at least every flush period when
-# steps are slow); the losses are cut into chunks once per transfer.
-_CLOCK_EVERY = 16
 
 
 class RunRecorder(Callback):
@@ -206,14 +201,24 @@ class RunRecorder(Callback):
         self._last_ckpt = p.latest_ckpt_file
         self._cb_params = p
         self._catch_sigterm()
-        # A chunk per transfer; a look at the clock every 16 steps, so that slow steps are
-        # still written within the flush period.
-        view.tap.subscribe(
-            self.transfer_every, self._take, due=self._flush_due, look_every=_CLOCK_EVERY
-        )
+        # A chunk per transfer; looks on the step clock about four times a flush period,
+        # whatever the steps' speed, so that slow steps are still written within it.
+        view.tap.subscribe(self.transfer_every, self._take)
+        self._pace = Pace(self.flush_seconds)
+        self._pace.reset(p.cur_step_num)
+        view.tap.call_at(p.cur_step_num + 1, self._look)
 
-    def _flush_due(self) -> bool:
-        return time.monotonic() - self._last_transfer >= self.flush_seconds
+    def _look(self, step: int) -> None:
+        """A flush period has passed since the last transfer: transfer what waits now."""
+        view = self._view
+        if view is None:
+            return
+        if time.monotonic() - self._last_transfer >= self.flush_seconds:
+            view.tap.cut()  # this step's chunk goes to _take, which transfers
+            if self._chunks:  # nothing was pending: the kept chunks go on their own
+                last = self._chunks[-1]
+                self._transfer(last.steps[-1], last.epoch)
+        view.tap.call_at(step + self._pace.ahead(step), self._look)
 
     def _take(self, chunk: Chunk) -> None:
         """A chunk of step losses from the tap: keep it; hand the kept ones to the writer when
@@ -342,7 +347,7 @@ class RunRecorder(Callback):
         self._release_sigterm()
         view, self._view = self._view, None
         if view is not None:
-            view.tap.unsubscribe(self._take)
+            view.tap.unsubscribe(self)  # its chunks and its looks
             if view.sink is self.writer:
                 view.sink = None
 
