@@ -55,12 +55,13 @@ class RunRecorder(Callback):
     """Record the run into the SQLite store: step losses, epoch values, validation results,
     learning rate, step time and events.
 
-    Per-step losses stay on the device: the recorder keeps each recorded step's loss tensor
-    and, once per interval (``transfer_every`` recorded steps, the writer's flush period, or an
-    epoch end), stacks them and copies them to the host in one transfer. On a GPU that copy is
-    queued without waiting; the writer thread waits for it. Recording every step costs the
-    training thread one list append per step; the rows are built in bulk on the writer thread.
-    Only rank 0 records (``rank_zero_only``).
+    The step losses come from the run's loss tap (a CPU loss as a float, any other stays on
+    the device): the recorder takes the tap's chunks and, once per interval
+    (``transfer_every`` recorded steps, the writer's flush period, or an epoch end), hands them
+    to the writer in one piece; a device chunk's host copy is queued without waiting, and the
+    writer thread waits for it. It has no step hook: it looks at the run's step clock about
+    four times a flush period, so slow steps are still written within it. The rows are built
+    in bulk on the writer thread. Only rank 0 records (``rank_zero_only``).
 
     Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
     and ``EarlyStopping(monitor=...)`` agree):
