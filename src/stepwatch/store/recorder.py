@@ -58,10 +58,10 @@ class RunRecorder(Callback):
     The step losses come from the run's loss tap (a CPU loss as a float, any other stays on
     the device): the recorder takes the tap's chunks and, once per interval
     (``transfer_every`` recorded steps, the writer's flush period, or an epoch end), hands them
-    to the writer in one piece; a device chunk's host copy is queued without waiting, and the
-    writer thread waits for it. It has no step hook: it looks at the run's step clock about
-    four times a flush period, so slow steps are still written within it. The rows are built
-    in bulk on the writer thread. Only rank 0 records (``rank_zero_only``).
+    to the writer, a batch a chunk; a device chunk's host copy was queued by the tap without
+    waiting, and the writer thread waits for it. It has no step hook: it looks at the run's
+    step clock about four times a flush period, so slow steps are still written within it.
+    The rows are built in bulk on the writer thread. Only rank 0 records (``rank_zero_only``).
 
     Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
     and ``EarlyStopping(monitor=...)`` agree):
