@@ -184,7 +184,7 @@ class Clock:
             return
         self._note_lr(step)
         self._grads_at(step + self.grad_every_n_steps)
-        if measured.is_cuda or self._inflight or self._world > 1:
+        if not measured.is_cpu or self._inflight or self._world > 1:
             self._ship_grads(step, p.cur_epoch_num, measured)
             self._look_at(step)
             return
