@@ -102,7 +102,7 @@ def test_a_call_for_a_step_gone_by_comes_at_the_next_and_unsubscribe_drops_calls
     tap.unsubscribe(owner)  # its calls go with it
     for _ in range(5):
         tap.push(0.5)
-    assert calls == [6] and tap.wake == tap.interval * (11 // tap.interval + 1)
+    assert calls == [6] and tap.wake == tap.every * (11 // tap.every + 1)
 
 
 def test_an_alarm_cuts_a_chunk_on_the_step_of_a_value_above_it_or_not_a_number() -> None:

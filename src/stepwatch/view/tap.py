@@ -115,7 +115,6 @@ class LossTap:
 
     def __init__(self, interval: int = DEFAULT_INTERVAL) -> None:
         self._base = _power_of_two(interval)
-        self.interval = self._base  # the subscribers' looks fall on multiples of this
         self.every = self._base  # a chunk is cut at the multiples of this
         self.pending: list[Any] = []
         self.next_step = 1  # the global step of pending[0]
@@ -129,8 +128,7 @@ class LossTap:
         self._unsummed: list[torch.Tensor] = []
         self._unsummed_steps = 0
         self.last: Any = None  # the newest loss cut into a chunk
-        self._subscribers: list[tuple[int, int, Subscriber, Callable[[], bool] | None]] = []
-        self._dues: list[Callable[[], bool]] = []
+        self._subscribers: list[tuple[int, Subscriber]] = []
         self._timers: list[tuple[int, Callable[[int], Any]]] = []
         # A float loss not <= alarm (NaN included) wakes the tap on its step: see set_alarm.
         self.alarm = math.inf
@@ -140,27 +138,16 @@ class LossTap:
         self._span_start = time.time()
 
     # -- subscribing ----------------------------------------------------------------------------
-    def subscribe(
-        self,
-        every: int,
-        fn: Subscriber,
-        *,
-        due: Callable[[], bool] | None = None,
-        look_every: int | None = None,
-    ) -> None:
+    def subscribe(self, every: int, fn: Subscriber) -> None:
         """Hand every chunk to ``fn``; chunks are cut at least every ``every`` steps (at the
-        multiples of ``every`` rounded down to a power of two) and at each epoch's end.
-
-        ``due``, asked every ``look_every`` steps (a power of two too), may ask for a chunk
-        early (a recorder whose flush period has passed on slow steps): a look costs a call.
-        """
+        multiples of ``every`` rounded down to a power of two), at each epoch's end, and when
+        a monitor calls :meth:`cut` (a recorder whose flush period has passed on slow steps,
+        from a call on the clock)."""
         if every < 1:
             raise ValueError(f"'every' must be an int >= 1, but got {every!r}.")
         # Rounded down to a power of two, so the shortest interval divides every other one:
         # the tap cuts at each subscriber's multiples, the same steps on every rank.
-        every = _power_of_two(every)
-        look = _power_of_two(look_every) if due is not None and look_every else every
-        self._subscribers.append((every, look, fn, due))
+        self._subscribers.append((_power_of_two(every), fn))
         self._retune()
 
     def unsubscribe(self, fn: Any) -> None:
@@ -170,7 +157,7 @@ class LossTap:
         def gone(each: Callable[..., Any]) -> bool:
             return each == fn or getattr(each, "__self__", None) is fn
 
-        self._subscribers = [entry for entry in self._subscribers if not gone(entry[2])]
+        self._subscribers = [entry for entry in self._subscribers if not gone(entry[1])]
         self._timers = [entry for entry in self._timers if not gone(entry[1])]
         if self._alarms.pop(id(fn), None) is not None:
             self.alarm = min(self._alarms.values(), default=math.inf)
@@ -215,15 +202,12 @@ class LossTap:
             self.wake = max(step, self.pushed_step + 1)
 
     def _retune(self) -> None:
-        subs = self._subscribers
-        self.every = min([self._base, *(e for e, _, _, _ in subs)])
-        self.interval = min([self.every, *(look for _, look, _, _ in subs)])
-        self._dues = [due for _, _, _, due in subs if due is not None]
+        self.every = min([self._base, *(e for e, _ in self._subscribers)])
         self._rewake()
 
     def _rewake(self) -> None:
         step = self.pushed_step
-        wake = (step // self.interval + 1) * self.interval
+        wake = (step // self.every + 1) * self.every
         soonest = min([at for at, _ in self._timers], default=_NEVER)
         self._soonest = soonest
         self.wake = max(min(wake, soonest), step + 1)
@@ -256,9 +240,7 @@ class LossTap:
         of :attr:`every` (or when a subscriber's ``due`` asks for one), then make the calls
         asked for up to this step."""
         step = self.pushed_step
-        if self._alarmed or (
-            step % self.interval == 0 and (step % self.every == 0 or any(d() for d in self._dues))
-        ):
+        if self._alarmed or step % self.every == 0:
             self._alarmed = False
             self.cut()
         for _ in range(_ROUNDS):  # a call may ask for another at this step: make it too
@@ -316,7 +298,7 @@ class LossTap:
         chunk = Chunk(range(first, self.next_step), self.epoch, device, host, ready,
                       (self._span_start, now))  # fmt: skip
         self._span_start = now
-        for _, _, fn, _ in self._subscribers:
+        for _, fn in self._subscribers:
             fn(chunk)
         return chunk
 
