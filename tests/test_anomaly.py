@@ -101,6 +101,16 @@ def test_nan_stops_as_an_anomaly_names_its_step_logs_once_and_is_recorded(
     assert alerts and alerts[0]["step"] == 40 and "loss is nan" in alerts[0]["message"]
 
 
+@pytest.mark.parametrize("nan_at", [1, 3])
+def test_a_nan_in_the_first_steps_stops_the_run_on_its_own_step(nan_at: int) -> None:
+    # Before the first batch of losses reaches the monitor (8 steps), a non-finite CPU loss
+    # already wakes it on its step.
+    stops, monitor = Stops(), AnomalyMonitor(action="stop")
+    make_model().train(1, BATCHES, callbacks=[At(nan_at, nan_weight), monitor, stops])
+    assert (monitor.alerts[0].kind, monitor.alerts[0].step) == ("nonfinite", nan_at)
+    assert (stops.kind, stops.step) == ("anomaly", nan_at)
+
+
 def test_terminate_on_nan_stops_the_run() -> None:
     stops = Stops()
     monitor = TerminateOnNaN()

@@ -5,6 +5,7 @@ exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it f
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections import deque
 from pathlib import Path
@@ -293,6 +294,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
             remove_stale_temporaries(self.snapshot_dir, "anomaly-")  # a killed snapshot write
         self._run_context = run_context
         view.tap.subscribe(READ_EVERY, self._take)
+        if self._world == 1:
+            view.tap.set_alarm(self, math.inf)  # a non-finite host loss, on its step from step 1
         self._start_clock()
         self._thresholds_seen = set()
         self._last_values = set()
