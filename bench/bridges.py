@@ -13,6 +13,9 @@ alone (the pair's order alternates from round to round):
   has a batch-end hook: Keras hands batch-end hooks to a thread pool only while no callback
   has one, and runs them in line otherwise (on this machine the pool is the slower way);
   the bridge has one, so this is its fair floor;
+* ``no-op + fwd hook`` (the Trainer only) - a no-op callback that also holds a no-op forward
+  hook on the model: the Trainer hands its callbacks no step loss, so a bridge must read it
+  off the model's forward; this is the least any Trainer bridge pays;
 * ``empty bridge`` - the host with ``StepwatchCallback([])``: the bridge's own machinery
   (its hooks and the run's step) with no stepwatch callback in it;
 * ``stepwatch`` - the host with ``StepwatchCallback([RunRecorder(every_n_steps=1),
@@ -196,6 +199,19 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.seconds = time.perf_counter() - self.start
 
+    class HookOnly(TrainerCallback):
+        """A no-op callback that also holds a no-op forward hook (with keyword arguments) on the
+        model while it trains: the least any Trainer bridge pays, since the Trainer hands its
+        callbacks no step loss and the loss can only be read off the model's forward."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.handle = kw["model"].register_forward_hook(
+                lambda module, args, kwargs, output: None, with_kwargs=True
+            )
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.handle.remove()
+
     net, rows = Net(), Rows()
 
     def runner(callbacks: Callable[[], list[Any]], report_to: list[str]) -> EpochRunner:
@@ -230,6 +246,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list, []),
         "alone'": runner(list, []),
         "no-op callback": runner(lambda: [TrainerCallback()], []),
+        "no-op + fwd hook": runner(lambda: [HookOnly()], []),
         "empty bridge": runner(lambda: [StepwatchCallback([])], []),
         "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))], []),
         "tensorboard": runner(list, ["tensorboard"]),
@@ -346,6 +363,10 @@ def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
     return pairs
 
 
+# The variants that are not one of the host's own loggers.
+_NOT_LOGGERS = ("stepwatch", "alone'", "no-op callback", "no-op + fwd hook", "empty bridge")
+
+
 def report(results: list[Pairs], steps: int) -> None:
     header = (
         f"{'host':<13} {'variant':<18} {'host us/step':>12} {'ratio to alone (min..max)':>27} "
@@ -370,21 +391,19 @@ def report(results: list[Pairs], steps: int) -> None:
     print()
     for host, shares in by_host.items():
         bridge, noise = shares["stepwatch"], shares["alone'"]
-        loggers = {
-            k: v
-            for k, v in shares.items()
-            if k not in ("stepwatch", "alone'", "no-op callback", "empty bridge")
-        }
+        loggers = {k: v for k, v in shares.items() if k not in _NOT_LOGGERS}
         dispatch = shares["no-op callback"]
         # Judged by the larger of its cost over the host alone and over a no-op callback (a
         # host that runs faster with any callback, as Keras here, is judged by the second).
         judged = max(bridge, bridge - dispatch)
         cheaper = [k for k, v in loggers.items() if judged < v]
+        hook = shares.get("no-op + fwd hook")
+        floor = "" if hook is None else f"; a no-op callback with a forward hook {hook * 100:+.1f}%"
         verdicts.append(
             f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
             f"{'met' if judged <= GOAL else 'NOT met'}); noise floor "
             f"{noise * 100:+.1f}%; a no-op callback {dispatch * 100:+.1f}% (the bridge over it: "
-            f"{(bridge - dispatch) * 100:+.1f}%); the bridge with no callback in it "
+            f"{(bridge - dispatch) * 100:+.1f}%){floor}; the bridge with no callback in it "
             f"{shares['empty bridge'] * 100:+.1f}%; cheaper than "
             f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
         )
