@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.train.state",),
     ("stepwatch.train.resume", "stepwatch.train.checks"),
     ("stepwatch.view.*",),
-    ("stepwatch.train.callback._params",),
+    ("stepwatch.train.callback._params", "stepwatch.train.callback._callback_args"),
     ("stepwatch.train.callback._callback",),
     ("stepwatch.train.callback._monitor",),
     ("stepwatch.train.callback.*",),

@@ -108,9 +108,9 @@ def test_stop_kinds() -> None:
     rc.request_stop(interrupted=True)
     assert rc.stop_kind == "interrupted" and rc.interrupted
     rc.request_stop("nan", kind="anomaly")
-    assert rc.stop_kind == "anomaly" and rc.stop_reason == "done"
-    rc.request_stop(kind="requested")  # a milder kind never overrides a graver one
-    assert rc.stop_kind == "anomaly"
+    assert rc.stop_kind == "anomaly" and rc.stop_reason == "nan"  # the graver kind's reason
+    rc.request_stop("patience", kind="requested")  # a milder kind never overrides a graver one
+    assert rc.stop_kind == "anomaly" and rc.stop_reason == "nan"
     with pytest.raises(ValueError, match="'kind' must be one of"):
         rc.request_stop(kind="oops")  # type: ignore[arg-type]
 
@@ -213,3 +213,28 @@ def test_callback_state_round_trip_and_orphans_warn() -> None:
     assert fresh.wait == 2
     with pytest.warns(UserWarning, match="not in this run"):
         CallbackList([]).load_state_dicts(saved, "checkpoint 'x.pt'")
+
+
+def test_a_wrong_callback_is_refused_before_training_with_what_to_do() -> None:
+    import lightning.pytorch as pl
+
+    model = make_model()
+    batches = make_batches(2)
+    before = [p.detach().clone() for p in model.train_network.parameters()]
+    with pytest.raises(TypeError, match=r"callbacks\[0\] is a Lightning callback \(EarlyStopping\)"
+                       r".*integrations\.lightning\.StepwatchCallback"):  # fmt: skip
+        model.train(1, batches, callbacks=[pl.callbacks.EarlyStopping(monitor="loss")])
+    with pytest.raises(TypeError, match=r"Wrap a function: LambdaCallback"):
+        model.train(1, batches, callbacks=[lambda run_context: None])
+
+    class NoArgument(Callback):
+        def step_end(self) -> None:  # type: ignore[override]
+            pass
+
+    with pytest.raises(TypeError, match=r"NoArgument\.step_end\(\) cannot take the run context: "
+                       r"define it as 'def step_end\(self, run_context\)'"):  # fmt: skip
+        model.train(1, batches, callbacks=[NoArgument()])
+    with pytest.raises(TypeError, match="LambdaCallback's on_train_epoch_end function"):
+        model.train(1, batches, callbacks=[LambdaCallback(on_train_epoch_end=lambda: None)])
+    after = list(model.train_network.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # refused before any step

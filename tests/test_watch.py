@@ -96,7 +96,7 @@ def test_a_nan_stops_the_loop_and_the_run_is_stored_as_an_anomaly(
         run, computed, *_ = _train(tmp_path, [LossMonitor(10), monitor, recorder],
                                    {20: math.nan})  # fmt: skip
     assert "epoch: 2 step: 4, loss is nan" in capsys.readouterr().out
-    assert run.should_stop is False  # the run has ended: nothing left to stop
+    assert run.should_stop is True  # after the run too, as Keras's stop_training stays set
     assert run.stop_kind == "anomaly" and run.stop_reason == "nonfinite at step 20"
     # A CPU loss is read as it comes, and a NaN wakes the monitor on its step: the stop comes
     # at step 20 itself.
@@ -193,6 +193,11 @@ def test_wrong_use_gets_a_clear_error() -> None:
     with pytest.raises(ValueError, match="measures gradients, which needs the network"):
         stepwatch.watch(None, opt, [AnomalyMonitor()], steps_per_epoch=4)
     stepwatch.watch(None, opt, [AnomalyMonitor(detectors=["nonfinite"])], steps_per_epoch=4)
+    with pytest.raises(ValueError, match=r"AnomalyMonitor needs the optimizer \(its 'rollback'"):
+        stepwatch.watch(net, None, [AnomalyMonitor(action="rollback")], steps_per_epoch=4)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs the optimizer"):
+        stepwatch.watch(net, None, [stepwatch.ReduceLROnPlateau()], steps_per_epoch=4)
+    stepwatch.watch(net, None, [AnomalyMonitor(action="stop")], steps_per_epoch=4)
 
     run = stepwatch.watch(net, opt, steps_per_epoch=4)
     loss = net(torch.ones(1, 2)).sum()
@@ -205,6 +210,12 @@ def test_wrong_use_gets_a_clear_error() -> None:
             run.step(torch.ones(3))
         with pytest.raises(TypeError, match="'eval_loss' must be a number"):
             run.epoch_end(eval_loss="low")  # type: ignore[arg-type]
+        run.step(loss)
+        # A bad value is refused before the epoch ends: the retry still has the epoch's loss.
+        with pytest.raises(TypeError, match=r"'eval_acc' must be .* got a tensor of 2 values"):
+            run.epoch_end(eval_acc=torch.tensor([0.5, 0.6]))
+        run.epoch_end(eval_acc=torch.tensor(0.5))
+        assert run.cb_params.loss == pytest.approx(loss.item())
         run.step(loss)
     with pytest.raises(RuntimeError, match="outside the run"):
         run.step(loss)

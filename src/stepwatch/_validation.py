@@ -26,7 +26,10 @@ class UnknownNameError(KeyError, ValueError):
 
 
 def _got(value: Any) -> str:
-    return f"{value!r} with type '{type(value).__name__}'"
+    shown = repr(value)
+    if "\n" in shown or len(shown) > 120:  # a network's or an optimizer's repr: its first line
+        shown = shown.splitlines()[0][:100] + " ..."
+    return f"{shown} with type '{type(value).__name__}'"
 
 
 @overload

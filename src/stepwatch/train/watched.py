@@ -92,8 +92,9 @@ class WatchedRun:
     # -- what the loop reads ---------------------------------------------------------------------
     @property
     def should_stop(self) -> bool:
-        """True once a callback asked the run to stop: leave the loop."""
-        return self._state == "running" and self.run_context.stop_requested
+        """True once a callback asked the run to stop: leave the loop (it stays True after the
+        run ended, with :attr:`stop_reason` saying why)."""
+        return self._state != "new" and self.run_context.stop_requested
 
     @property
     def stop_reason(self) -> str | None:
@@ -301,25 +302,20 @@ class WatchedRun:
                 "run.epoch_end() was called outside the run: use it inside 'with "
                 "stepwatch.watch(...) as run:'."
             )
-        for name, value in values.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                raise TypeError(
-                    f"run.epoch_end()'s {name!r} must be a number, but got {_got(value)}."
-                )
-        if loss is not None and not isinstance(loss, (int, float, torch.Tensor)):
-            raise TypeError(f"run.epoch_end()'s 'loss' must be a number, but got {_got(loss)}.")
+        # Every value is read before anything changes: a bad one leaves the epoch as it was.
+        numbers = {name: _number(name, value) for name, value in values.items()}
+        given = _number("loss", loss) if loss is not None else None
         if not self._in_epoch:
             self._begin_epoch()
         p = self.cb_params
         total = self.view.tap.end_epoch()
         train: dict[str, Any] = {}
-        if loss is not None:
-            train["loss"] = float(loss)
+        if given is not None:
+            train["loss"] = given
         elif total is not None and self._epoch_steps:
             train["loss"] = float(total) / self._epoch_steps
         evals: dict[str, Any] = {}
-        for name, value in values.items():
-            number = float(value)
+        for name, number in numbers.items():
             if name.startswith(_EVAL_PREFIX):
                 key = name if name == "eval_loss" else name[len(_EVAL_PREFIX) :]
                 evals[key] = number
@@ -356,6 +352,19 @@ class WatchedRun:
                 p.cur_step_num,
                 self.run_context.stop_reason or "a callback requested a stop",
             )
+
+
+def _number(name: str, value: Any) -> float:
+    """An epoch value as a float: a number or a one-value tensor."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        what = f"a tensor of {value.numel()} values" if isinstance(value, torch.Tensor) else None
+        raise TypeError(
+            f"run.epoch_end()'s {name!r} must be a number or a one-value tensor, but got "
+            f"{what or _got(value)}; pass the epoch's value (e.g. a mean: tensor.mean())."
+        )
+    return float(value)
 
 
 def _exc_info() -> tuple[Any, Any, Any]:
@@ -401,7 +410,8 @@ def watch(
     Raises:
         TypeError / ValueError: an argument of the wrong type or value, naming it; a callback
             that measures gradients (``AnomalyMonitor``'s gradient detectors) with no
-            ``network``.
+            ``network``; one that changes the optimizer (``reduce_lr`` and ``rollback``
+            actions, ReduceLROnPlateau, LearningRateScheduler) with no ``optimizer``.
 
     Example:
         >>> run = stepwatch.watch(net, opt, callbacks=[LossMonitor(100), AnomalyMonitor()],
@@ -435,6 +445,14 @@ def watch(
                     "watch(network, optimizer, ...), or leave the gradient detectors out "
                     "(AnomalyMonitor(detectors=['nonfinite', 'spike', 'divergence', "
                     "'plateau']))."
+                )
+    if optimizer is None:
+        for cb in cbs:
+            why = getattr(cb, "needs_optimizer", "")
+            if why:
+                raise ValueError(
+                    f"{type(cb).__name__} needs the optimizer ({why}): pass "
+                    "watch(network, optimizer, ...)."
                 )
     return WatchedRun(
         network, optimizer, cbs, epochs, steps_per_epoch, loss_fn, lr_scheduler, dataset

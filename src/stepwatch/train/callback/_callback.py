@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
+from ._callback_args import check_hooks, describe_bad_callback
 from ._params import CallbackParams, Progress
 
 __all__ = [
@@ -72,8 +72,8 @@ class Callback:
     Each hook receives a :class:`RunContext`; ``run_context.original_args()`` is the cb_params
     object whose fields are listed in the README.
 
-    A callback is a context manager: the loop enters every callback before the run and exits them
-    in reverse order afterwards, also when an exception escapes (``__exit__`` then sees it).
+    A callback is a context manager: entered before the run, exited (in reverse order) after it,
+    also when an exception escapes.
 
     Class attributes:
         order: callbacks run sorted by ``order`` (stable, default ``ORDER_DEFAULT`` = 0), so a
@@ -289,9 +289,10 @@ class RunContext:
         elif kind not in _GRAVITY:
             raise ValueError(f"'kind' must be one of {STOP_KINDS}, but got {kind!r}.")
         self.stop_requested = True
-        if self.stop_kind is None or _GRAVITY[kind] > _GRAVITY[self.stop_kind]:
-            self.stop_kind = kind
-        if reason is not None and self.stop_reason is None:
+        graver = self.stop_kind is None or _GRAVITY[kind] > _GRAVITY[self.stop_kind]
+        if graver:
+            self.stop_kind = kind  # a graver kind wins, and so does its reason
+        if reason is not None and (self.stop_reason is None or graver):
             self.stop_reason = reason
 
     def get_stop_requested(self) -> bool:
@@ -339,20 +340,6 @@ def _hook_function(callback: Callback, hook: str) -> Callable[[RunContext], Any]
     return getattr(callback, hook)
 
 
-def _describe_bad_callback(index: int | None, item: Any) -> str:
-    where = "'callbacks'" if index is None else f"callbacks[{index}]"
-    if inspect.isclass(item) and issubclass(item, Callback):
-        return (
-            f"{where} is the class {item.__name__}, not an instance: pass {item.__name__}() "
-            "instead."
-        )
-    return (
-        f"{where} must be a Callback instance, but got {item!r} with type "
-        f"'{type(item).__name__}'. When the 'callbacks' is a list, the elements in 'callbacks' "
-        "must be Callback functions."
-    )
-
-
 def _check_unique(callbacks: Sequence[Callback]) -> None:
     seen_ids: set[int] = set()
     keys: dict[str, Callback] = {}
@@ -384,9 +371,9 @@ def normalize_callbacks(callbacks: Any) -> list[Callback]:
     if isinstance(callbacks, (list, tuple)):
         for i, item in enumerate(callbacks):
             if not isinstance(item, Callback):
-                raise TypeError(_describe_bad_callback(i, item))
+                raise TypeError(describe_bad_callback(i, item, Callback))
         return list(callbacks)
-    raise TypeError(_describe_bad_callback(None, callbacks))
+    raise TypeError(describe_bad_callback(None, callbacks, Callback))
 
 
 class CallbackList:
@@ -419,6 +406,7 @@ class CallbackList:
             ]
             for hook in HOOKS
         }
+        check_hooks(self.table)  # each can take the run context: before the run, not in it
         # What the loops call: per hook, the bound functions only.
         self.fns: dict[str, list[Callable[[RunContext], Any]]] = {
             hook: [fn for _, fn in entries] for hook, entries in self.table.items()

@@ -209,12 +209,21 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._grad_nonfinite = NonFinite("gradient norm") if "nonfinite" in kinds else None
         every_action = [self._default_actions, *self._kind_actions.values()]
         self._keeps_state = any("rollback" in actions for actions in every_action)
+        self._optimizer_actions = sorted(
+            {a for actions in every_action for a in actions if a in ("reduce_lr", "rollback")}
+        )
         self._reset()
 
     @property
     def measures_gradients(self) -> bool:
         """True when a gradient detector is on (the run must give the network)."""
         return self._measures_grads
+
+    @property
+    def needs_optimizer(self) -> str:
+        """Why a run must give the optimizer ('' when it need not): its actions that change it."""
+        acts = self._optimizer_actions
+        return f"its {' and '.join(map(repr, acts))} action{'s' * (len(acts) > 1)}" if acts else ""
 
     @property
     def handles_nonfinite(self) -> bool:

@@ -41,6 +41,8 @@ class LearningRateScheduler(Callback):
         >>> model.train(10, ds, callbacks=[LearningRateScheduler(halve_every_100)])
     """
 
+    needs_optimizer = "it sets the learning rate"  # watch() refuses a run without one
+
     order = ORDER_STEER
 
     def __init__(self, learning_rate_function: Callable[[float, int], float]) -> None:

@@ -33,6 +33,8 @@ class ReduceLROnPlateau(MonitorCallback):
         TypeError / ValueError: for arguments of the wrong type or value.
     """
 
+    needs_optimizer = "it changes the learning rate"  # watch() refuses a run without one
+
     order = ORDER_STEER
 
     def __init__(

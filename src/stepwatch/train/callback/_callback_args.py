@@ -1,0 +1,101 @@
+"""Checks on what is passed as callbacks: a hook that cannot take the run context, and another
+trainer's callback where a stepwatch one belongs. (No import of the Callback class: its module
+imports this one.)"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+from ..._validation import _got
+
+__all__ = ["check_hooks", "describe_bad_callback", "foreign_callback", "hook_signature_problem"]
+
+# The package another trainer's callbacks come from: what they are, and where they go.
+_HOSTS = {
+    "lightning": ("a Lightning callback", "the Trainer's callbacks=[...]", "lightning"),
+    "pytorch_lightning": ("a Lightning callback", "the Trainer's callbacks=[...]", "lightning"),
+    "transformers": ("a Hugging Face Trainer callback", "Trainer(callbacks=[...])", "transformers"),
+    "keras": ("a Keras callback", "model.fit(callbacks=[...])", "keras"),
+    "mindspore": ("a MindSpore callback", "MindSpore's Model.train(callbacks=[...])", "mindspore"),
+}
+
+# Functions already checked (a class's hooks are checked once, not at every run).
+_checked: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+
+
+def describe_bad_callback(index: int | None, item: Any, callback_type: type) -> str:
+    """The error for ``item``, found in ``callbacks`` (at ``index``) and not a Callback."""
+    where = "'callbacks'" if index is None else f"callbacks[{index}]"
+    if inspect.isclass(item) and issubclass(item, callback_type):
+        return (
+            f"{where} is the class {item.__name__}, not an instance: pass {item.__name__}() "
+            "instead."
+        )
+    foreign = foreign_callback(item)
+    if foreign is not None:
+        return f"{where} {foreign}."
+    return (
+        f"{where} must be a Callback instance, but got {_got(item)}. When the 'callbacks' is a "
+        "list, the elements in 'callbacks' must be Callback functions."
+        + (" Wrap a function: LambdaCallback(on_train_step_end=fn)." if callable(item) else "")
+    )
+
+
+def check_hooks(table: dict[str, list[tuple[Any, Any]]]) -> None:
+    """Raise TypeError for a hook in ``table`` (hook -> [(callback, function)]) that cannot be
+    called with the run context alone: before the run, not at its first call."""
+    for hook, entries in table.items():
+        for callback, fn in entries:
+            shown = hook_signature_problem(fn)
+            if shown is None:
+                continue
+            owner = type(callback).__name__
+            if hasattr(fn, "__self__"):  # a method
+                name = getattr(fn, "__name__", hook)
+                raise TypeError(
+                    f"{owner}.{name}{shown} cannot take the run context: define it as "
+                    f"'def {name}(self, run_context)'."
+                )
+            raise TypeError(
+                f"{owner}'s {hook} function{shown} cannot take the run context: give it one "
+                "argument (lambda run_context: ...)."
+            )
+
+
+def foreign_callback(item: Any) -> str | None:
+    """What to say of another trainer's callback passed where stepwatch callbacks go, or
+    None when ``item`` is not one."""
+    host = _HOSTS.get(type(item).__module__.split(".")[0])
+    if host is None:
+        return None
+    what, where, module = host
+    return (
+        f"is {what} ({type(item).__name__}), not a stepwatch Callback: pass it to {where} "
+        f"next to stepwatch.integrations.{module}.StepwatchCallback([...stepwatch callbacks])"
+    )
+
+
+def hook_signature_problem(fn: Any) -> str | None:
+    """The signature of a hook that cannot be called with the run context alone (shown in the
+    error), or None when it can (or cannot be told)."""
+    func = getattr(fn, "__func__", fn)
+    try:
+        return _checked[func]
+    except (KeyError, TypeError):
+        pass
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(None)
+        problem = None
+    except TypeError:
+        problem = str(signature.replace(return_annotation=inspect.Signature.empty))
+    try:
+        _checked[func] = problem
+    except TypeError:  # not weak-referable (a builtin)
+        pass
+    return problem
