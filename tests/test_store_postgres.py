@@ -382,6 +382,10 @@ def test_push_copies_local_runs_once_and_a_live_run_again_later(
         assert team.summary(run.id)["step_loss"]["count"] == 400  # nothing counted twice
     bad = run_cli("push", "--db", str(db), "--to", str(tmp_path / "other.db"), timeout=60)
     assert bad.returncode == 2 and "is not a team store" in bad.stderr
+    itself = run_cli("push", "--db", pg_url, "--to", pg_url, timeout=60)  # would copy it again
+    assert itself.returncode == 2 and "name the same store" in itself.stderr
+    with Store(pg_url) as team:
+        assert len(team.runs()) == 2
 
 
 def test_runs_filters_by_host_user_and_name_over_postgresql(pg_url: str, tmp_path: Path) -> None:

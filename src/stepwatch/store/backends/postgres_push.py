@@ -48,6 +48,12 @@ def push_runs(
         raise ValueError(
             f"'to' {found.shown!r} is not a team store: pass a postgresql://user@host/db URL."
         )
+    origin_store = parse_location(source, "db")
+    if origin_store.kind == "postgresql" and _database(origin_store.target) == _database(target):
+        raise ValueError(
+            f"'db' and 'to' name the same store ({found.shown}): push copies runs from one store "
+            "into another; pass --db the local store (a file) or another team store."
+        )
     with Store(source) as local:
         picked = [local.run(ref) for ref in dict.fromkeys(runs)] if runs else local.runs()
         picked = list({info.id: info for info in picked}.values())  # by id and by name: once
@@ -73,3 +79,21 @@ def push_runs(
         finally:
             backend.close()
     return done
+
+
+def _database(url: str) -> tuple[str, int, str]:
+    """``(host, port, database)`` of a ``postgresql://`` URL, with the local spellings of the
+    host (none, localhost, 127.0.0.1, ::1, a socket folder) as one."""
+    from urllib.parse import parse_qs, unquote, urlsplit
+
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    host = (parts.hostname or query.get("host", [""])[0]).lower()
+    if host in ("", "localhost", "127.0.0.1", "::1") or host.startswith("/"):
+        host = "local"
+    try:
+        port = parts.port or int(query.get("port", ["5432"])[0])
+    except ValueError:
+        port = 5432
+    name = unquote(parts.path.lstrip("/")) or query.get("dbname", [""])[0] or parts.username or ""
+    return host, port, name
