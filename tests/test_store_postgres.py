@@ -440,3 +440,23 @@ def test_host_and_name_globs_pick_the_same_runs_as_the_local_store(
             want = [r.name for r in sqlite_store.runs(host=pattern)]
             assert [r.name for r in pg_store.runs(host=pattern)] == want, pattern
             assert [r.name for r in pg_store.runs(name=pattern)] == want, pattern
+
+
+def test_a_run_whose_epoch_loss_is_nan_is_summarised_by_its_step_losses(
+    pg_url: str, tmp_path: Path
+) -> None:
+    # Stopped by a NaN in its first epoch: the epoch's mean is NaN, its steps hold numbers.
+    for where in (tmp_path / "runs.db", pg_url):
+        writer = RunWriter(where, name="nan-stop")
+        writer.log_batch("step_loss", range(1, 4), np.array([0.9, 0.6, math.nan]), epoch=1)
+        writer.log("loss", math.nan, 3, epoch=1)
+        writer.close()
+    with Store(tmp_path / "runs.db") as mine, Store(pg_url) as team:
+        local, shared = mine.loss_stats("nan-stop"), team.loss_stats("nan-stop")
+    assert local is not None and (local.key, local.epoch_mean, local.min) == (
+        "step_loss",
+        False,
+        0.6,
+    )
+    assert math.isnan(local.last) and (local.count, local.last_step) == (3, 3)
+    assert shared is not None and shared.key == local.key and shared.min == local.min

@@ -32,7 +32,7 @@ __all__ = ["main"]
 
 LOSS_NOTE = (
     "best/last loss: the epoch-mean training loss (key 'loss'); marked '*', the per-step "
-    "loss (key 'step_loss') of a run with no epoch mean yet"
+    "loss (key 'step_loss') of a run with no epoch mean (that is a number) yet"
 )
 STEP_LOSS_NOTE = "* per-step loss: the run has no epoch-mean loss (yet)"
 

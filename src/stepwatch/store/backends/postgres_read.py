@@ -58,7 +58,7 @@ SELECT {_RUN_COLUMNS}, l.name, l.n, CASE WHEN l.per_epoch THEN l.n ELSE 0 END, l
 FROM (SELECT * FROM runs WHERE {{where}} ORDER BY id DESC {{limit}}) r
 LEFT JOIN LATERAL (SELECT k.name, s.* FROM series s JOIN keys k ON k.id = s.key
     WHERE s.run = r.id AND k.name IN ('{LEGACY_EPOCH_LOSS}', '{values.LOSS}',
-    '{values.STEP_LOSS}') ORDER BY {_RANK} LIMIT 1) l ON true
+    '{values.STEP_LOSS}') ORDER BY s.lmin IS NULL, {_RANK} LIMIT 1) l ON true
 ORDER BY r.id
 """
 

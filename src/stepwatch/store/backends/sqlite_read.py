@@ -49,12 +49,17 @@ _RUN_COLUMNS = (
 # Which loss a run is summarised by, per run, in SQL: the legacy epoch mean, else ``loss``,
 # else ``step_loss``. ``loss`` alone (no ``step_loss`` beside it) holds epoch means only if it
 # has at most one point per epoch; otherwise it is a legacy per-step loss.
+# A point of the run that holds a number (NaN is stored as NULL; -inf is no best either).
+_NUMBER = "SELECT 1 FROM points WHERE run = runs.id AND value > -1e308"
 _LOSS_SQL = f"""
 WITH ids AS (SELECT
     (SELECT id FROM keys WHERE name = '{values.LOSS}') AS loss,
     (SELECT id FROM keys WHERE name = '{values.STEP_LOSS}') AS step_loss,
     (SELECT id FROM keys WHERE name = '{LEGACY_EPOCH_LOSS}') AS legacy),
-r AS (SELECT runs.*, ids.step_loss AS step_loss_key, CASE
+r AS (SELECT runs.*, ids.step_loss AS step_loss_key, CASE  -- the first key holding a number
+        WHEN EXISTS ({_NUMBER} AND key = ids.legacy) THEN ids.legacy
+        WHEN EXISTS ({_NUMBER} AND key = ids.loss) THEN ids.loss
+        WHEN EXISTS ({_NUMBER} AND key = ids.step_loss) THEN ids.step_loss
         WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.legacy)
             THEN ids.legacy
         WHEN EXISTS (SELECT 1 FROM points WHERE run = runs.id AND key = ids.loss) THEN ids.loss
