@@ -40,6 +40,10 @@ def test_demo_inject_spike_shows_the_alert_and_the_rollback(tmp_path: Path) -> N
     assert "** the run ran to the end" in out
     # the same alert reached the log (stderr) once, with what the action did
     assert result.stderr.count("step 235: loss jumped to") == 1
+    show = run_cli("show", "1", cwd=tmp_path)  # and `show` lists it with its action
+    assert show.returncode == 0, show.stderr
+    assert re.search(r"\[alert\] step 235 loss jumped to .*\[rolled back to step 200 \(1 of 3\)",
+                     show.stdout)  # fmt: skip
 
 
 def test_demo_inject_nan_is_stopped_and_stored_as_an_anomaly(tmp_path: Path) -> None:

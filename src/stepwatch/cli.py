@@ -269,7 +269,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print()
         for event in events[-10:]:
             where = f"step {event['step']}" if event["step"] is not None else ""
-            print(f"  [{event['kind']}] {where} {event['message']}".rstrip())
+            data = event.get("data")
+            acts = data.get("actions") if isinstance(data, dict) else None  # an alert's actions
+            done = f" [{'; '.join(map(str, acts))}]" if isinstance(acts, list) and acts else ""
+            print(f"  [{event['kind']}] {where} {event['message']}{done}".rstrip())
     return 0
 
 
