@@ -190,6 +190,8 @@ def test_system_metrics_are_written_by_the_writer_under_their_prefix(tmp_path: P
         assert np.all(np.diff(steps) >= 0) and steps[-1] <= 60  # at the run's steps
         _, cpu = store.metrics(recorder.run_id, "system/cpu_percent")
         assert np.all(cpu >= 0)
+        _, host = store.metrics(recorder.run_id, "system/host_cpu_percent")
+        assert host[0] > 0  # read over an interval long enough to see the training's use
     # Off: no system keys at all.
     off = RunRecorder(db=db, system_every=None)
     with stepwatch.watch(net, opt, [off, Slow()], steps_per_epoch=20) as run:

@@ -11,6 +11,9 @@ def test_direction_from_the_metric_then_the_name() -> None:
     assert direction("eval_accuracy") == "max" and direction("loss") == "min"
     assert direction("perplexity") == "min" and direction("step_time") == "min"
     assert direction("lr") is None and direction("loss_scale") is None
+    for smaller in ("eval_nll", "nll", "eval_top1_err", "errs", "kl", "train_kld"):
+        assert direction(smaller) == "min", smaller
+    assert direction("system/rss_mb") is None and direction("system/gpu0_util") is None
     assert direction("eval_f1", {"f1": "min"}) == "min"  # a declared direction wins
     assert direction("eval_precision/3", {"precision": "max"}) == "max"  # per-class keys
     assert direction("train_mse/0") == "min"

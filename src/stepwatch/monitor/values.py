@@ -76,8 +76,9 @@ _SMALLER_IS_BETTER = (
     "latency",
     "skipped",
 )
-# Error rates named by their initials (word, character, translation error rate): whole words.
-_ERROR_RATES = frozenset({"wer", "cer", "ter"})
+# Whole words for which smaller is better: error rates by their initials (word, character,
+# translation error rate), error counts, negative log-likelihood, KL divergence.
+_ERROR_RATES = frozenset({"wer", "cer", "ter", "err", "errs", "nll", "kl", "kld"})
 # Names that are settings or counters, not results: no "better" direction.
 _NO_DIRECTION = frozenset({"lr", "loss_scale", "epoch", "step", "grad_norm"})
 _PREFIXES = ("train_", "eval_")
@@ -129,6 +130,8 @@ def direction(name: str, declared: Mapping[str, Any] | None = None) -> Direction
         declared: metric name → direction as the metrics declare it (see
             :func:`metric_directions`); it wins over the name rule.
     """
+    if name.startswith("system/"):
+        return None  # the machine's readings (CPU, memory, GPU): no better direction
     head, _, tail = name.rpartition("/")
     if head and tail.isdigit():
         name = head  # a per-class key (eval_precision/3) has its metric's direction

@@ -74,8 +74,9 @@ class LossStats(NamedTuple):
 
     Attributes:
         key: the store key summarised: ``loss`` (the epoch-mean training loss) when the run
-            has one that is a number, else the per-step loss (``step_loss``, or ``loss`` in stores written
-            before the epoch mean took that name; ``epoch_loss`` is their epoch mean).
+            has one that is a number, else the per-step loss (``step_loss``, or ``loss`` in
+            stores written before the epoch mean took that name; ``epoch_loss`` is their
+            epoch mean).
         epoch_mean: True when ``key`` holds one mean per epoch, False for per-step losses.
         last: the value at the highest step. min: the smallest value (NaN if none is a number).
         count: points recorded. last_step: the highest step.

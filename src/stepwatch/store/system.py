@@ -22,6 +22,7 @@ left out; without NVML (or a GPU) the GPU keys are.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 __all__ = ["PREFIX", "SystemSampler"]
@@ -30,6 +31,8 @@ logger = logging.getLogger("stepwatch")
 
 PREFIX = "system/"
 _MIB = 1024 * 1024
+# The shortest interval the CPU shares are read over (a shorter one reads as 0).
+_CPU_INTERVAL = 0.1
 
 
 class SystemSampler:
@@ -45,6 +48,7 @@ class SystemSampler:
         self._psutil: Any = None
         self._nvml: Any = None
         self._gpus: list[Any] = []
+        self._host = (0.0, 0.0)  # the machine's (total, busy) CPU seconds at the last sample
         try:
             import psutil
         except ImportError:  # the CPU and memory keys are left out
@@ -53,8 +57,16 @@ class SystemSampler:
             self._psutil = psutil
             self._process = psutil.Process()
             self._process.cpu_percent(None)  # the first call only starts the interval
-            psutil.cpu_percent(None)
+            self._host = self._host_times()
+        self._cpu_since = time.monotonic()
         self._open_nvml()
+
+    def _host_times(self) -> tuple[float, float]:
+        """The machine's ``(total, busy)`` CPU seconds so far. (psutil's own cpu_percent keeps
+        its last reading per thread, and this sampler is read on the writer's thread.)"""
+        times = self._psutil.cpu_times()
+        total = sum(times) - getattr(times, "guest", 0.0) - getattr(times, "guest_nice", 0.0)
+        return total, total - times.idle - getattr(times, "iowait", 0.0)
 
     def _open_nvml(self) -> None:
         try:
@@ -72,9 +84,16 @@ class SystemSampler:
         found: dict[str, float] = {}
         if self._process is not None:
             try:
-                found[PREFIX + "cpu_percent"] = float(self._process.cpu_percent(None))
+                now = time.monotonic()
+                if now - self._cpu_since >= _CPU_INTERVAL:  # too short an interval reads 0
+                    self._cpu_since = now
+                    found[PREFIX + "cpu_percent"] = float(self._process.cpu_percent(None))
+                    (total, busy), (total0, busy0) = self._host_times(), self._host
+                    if total > total0:
+                        self._host = (total, busy)
+                        share = 100.0 * (busy - busy0) / (total - total0)
+                        found[PREFIX + "host_cpu_percent"] = round(min(100.0, share), 1)
                 found[PREFIX + "rss_mb"] = self._process.memory_info().rss / _MIB
-                found[PREFIX + "host_cpu_percent"] = float(self._psutil.cpu_percent(None))
             except Exception:  # the process table cannot be read: skip this sample's keys
                 pass
         nvml = self._nvml
