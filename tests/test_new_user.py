@@ -168,6 +168,27 @@ def test_network_returning_its_own_loss_still_trains() -> None:
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
 
 
+def test_a_model_without_loss_fn_or_with_dict_batches_is_refused_before_training() -> None:
+    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"x": torch.ones(4), "y": torch.tensor(i % 3)}
+
+    loader = torch.utils.data.DataLoader(Rows(), batch_size=8)
+    with pytest.raises(ValueError, match=r"must be \(data, label\) .* a dict with keys 'x', 'y'"):
+        make_model().train(1, loader)  # a Hugging Face style loader with a loss function
+    net = nn.Sequential(nn.Linear(4, 3))
+    no_loss = Model(net, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), device="cpu")
+    with pytest.raises(ValueError, match=r"no loss_fn, so each batch \(2 columns\) goes to the "
+                       r"network.*Sequential\.forward cannot take it"):  # fmt: skip
+        no_loss.train(1, make_batches(2))
+    with pytest.raises(ValueError, match=r"must return the loss \(one value\), but it returned "
+                       r"a tensor of shape \(8, 3\)"):  # fmt: skip
+        no_loss.train(1, [(torch.ones(8, 4),)])  # the network's outputs are no loss
+
+
 # -- 3. labels that do not fit the outputs ---------------------------------------------------
 def _regression_model(**kwargs: Any) -> Model:
     torch.manual_seed(0)

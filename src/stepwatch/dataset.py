@@ -270,10 +270,11 @@ def check_batch(batch: Any, argname: str, has_loss_fn: bool) -> None:
             if isinstance(batch, (tuple, list))
             else (f"a {type(batch).__name__}")
         )
+        keys = f" with keys {', '.join(map(repr, batch))}" if isinstance(batch, dict) else ""
         raise ValueError(
             f"each batch of '{argname}' must be (data, label) when loss_fn is set, but got "
-            f"{got}. Make the dataset yield (data, label) pairs, or use loss_fn=None with a "
-            "network that computes its own loss."
+            f"{got}{keys}. Make the dataset yield (data, label) pairs, or use loss_fn=None with "
+            "a network that computes its own loss."
         )
 
 
@@ -310,6 +311,12 @@ def feed(network: Any, inputs: Any) -> Any:
 def split_loss(result: Any) -> tuple[torch.Tensor, Any]:
     """(loss, outputs) from a network that computes its own loss."""
     if isinstance(result, torch.Tensor):
+        if result.numel() != 1:
+            raise ValueError(
+                "with loss_fn=None the network must return the loss (one value), but it "
+                f"returned a tensor of shape {tuple(result.shape)} (its outputs?): pass the "
+                "Model a loss_fn (e.g. nn.CrossEntropyLoss()), or return the loss."
+            )
         return result, None
     if isinstance(result, dict) and "loss" in result:
         return result["loss"], result

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..dataset import NumpySlicesDataset, feed, move
+from ..dataset import NumpySlicesDataset, check_batch, feed, move
 from ..distributed import is_distributed, local_rank
 from .state import rng_state, set_rng_state
 from .step import StepOptions, cast_floats
@@ -164,6 +164,7 @@ def check_first_forward(
     dataset: Any,
     device: Any,
     step: StepOptions | None = None,
+    argname: str = "train_dataset",
 ) -> None:
     """Run the first batch through ``network`` and ``loss_fn`` and check labels and outputs.
 
@@ -172,13 +173,18 @@ def check_first_forward(
 
     Raises:
         ValueError: labels that do not fit the outputs for the loss or a metric, naming the
-            shapes and the fix.
+            shapes and the fix; a batch that is not ``(data, label)`` with a loss function;
+            with none, a training batch the network's ``forward`` cannot take.
     """
-    if loss_fn is None:
-        return
     state = rng_state()
     try:
         batch = sample_batch(dataset)
+        if loss_fn is None:
+            if batch is not None and argname == "train_dataset":
+                _check_takes_batch(network, batch)
+            return
+        if batch is not None:
+            check_batch(batch, argname, True)  # a dict (as a Hugging Face loader's) or 3 columns
         if not isinstance(batch, (tuple, list)) or len(batch) != 2:
             return
         data, label = move(batch[0], device), move(batch[1], device)
@@ -214,6 +220,30 @@ def check_first_forward(
             network.train(was_training)
     finally:
         set_rng_state(state)
+
+
+def _check_takes_batch(network: nn.Module, batch: Any) -> None:
+    """With no loss function, each batch goes to the network whole (spread, or by name):
+    refuse one its ``forward`` cannot take."""
+    try:
+        signature = inspect.signature(network.forward)
+    except (TypeError, ValueError):
+        return
+    try:
+        if isinstance(batch, (tuple, list)):
+            signature.bind(*batch)
+        elif isinstance(batch, dict):
+            signature.bind(**batch)
+        else:
+            signature.bind(batch)
+    except TypeError as exc:
+        columns = f"{len(batch)} columns" if isinstance(batch, (tuple, list, dict)) else "one"
+        raise ValueError(
+            f"the Model has no loss_fn, so each batch ({columns}) goes to the network, which "
+            f"must return the loss; but {type(network).__name__}.forward cannot take it "
+            f"({exc}). Pass Model(network, loss_fn, optimizer) (e.g. loss_fn="
+            "nn.CrossEntropyLoss()), or a network that takes the batch and returns its loss."
+        ) from None
 
 
 # Names a metric may not take, because cb_params already uses them.

@@ -386,6 +386,7 @@ class Model:
             valid_dataset,
             self._device,
             self._parts.step,
+            "valid_dataset",
         )
         cb_params = new_cb_params(self._parts, cb_list, rank, world)
         cb_params.cur_epoch_num = 1
