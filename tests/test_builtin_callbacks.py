@@ -242,6 +242,12 @@ def test_history_step_ring_keeps_the_last_step_losses() -> None:
     assert history.steps is not None and len(history.steps) == 5
     assert history.steps.steps().tolist() == list(range(8, 13))
     np.testing.assert_allclose(history.steps.values(), losses[-5:], rtol=1e-6)
+    pairs = list(history.steps)  # (step, loss) pairs of Python numbers, oldest first
+    assert [s for s, _ in pairs] == list(range(8, 13)) and type(pairs[0][1]) is float
+    assert history.steps[-1] == pairs[-1] and history.steps[0] == pairs[0]
+    assert history.steps[1:3] == pairs[1:3]
+    with pytest.raises(IndexError, match="out of range"):
+        history.steps[5]
     assert History().steps is None
     with pytest.raises(ValueError, match="'step_history' must be an int >= 0"):
         History(step_history=-1)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, overload
 
 import numpy as np
 
@@ -15,7 +16,8 @@ class RingBuffer:
     """The newest ``capacity`` (step, value) pairs, in two preallocated NumPy arrays.
 
     Appending never allocates; when full, the oldest pair is overwritten. Reading returns
-    copies in order, oldest first.
+    copies in order, oldest first: :meth:`steps` and :meth:`values` as arrays; iterating or
+    indexing (``ring[-1]``, ``ring[:10]``) gives ``(step, value)`` pairs of Python numbers.
 
     Args:
         capacity: how many pairs to keep (>= 1).
@@ -26,6 +28,8 @@ class RingBuffer:
         ...     ring.append(step, step * 0.5)
         >>> ring.steps().tolist(), ring.values().tolist()
         ([3, 4, 5], [1.5, 2.0, 2.5])
+        >>> list(ring), ring[-1]
+        ([(3, 1.5), (4, 2.0), (5, 2.5)], (5, 2.5))
     """
 
     __slots__ = ("_next", "_size", "_steps", "_values", "capacity", "total")
@@ -40,6 +44,27 @@ class RingBuffer:
 
     def __len__(self) -> int:
         return self._size
+
+    def __iter__(self) -> Iterator[tuple[int, float]]:
+        return iter(zip(self.steps().tolist(), self.values().tolist()))
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[int, float]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[int, float]]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[int, float] | list[tuple[int, float]]:
+        """The ``(step, value)`` pair at ``index`` (0 = the oldest kept), or a list of them."""
+        if isinstance(index, slice):
+            return list(self)[index]
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            raise TypeError(f"a RingBuffer index must be an int or a slice, not {index!r}.")
+        i = int(index) + self._size if index < 0 else int(index)
+        if not 0 <= i < self._size:
+            raise IndexError(f"RingBuffer index {index} out of range (it holds {self._size}).")
+        j = int(self._order()[i])
+        return int(self._steps[j]), float(self._values[j])
 
     def append(self, step: int, value: float) -> None:
         i = self._next
