@@ -287,6 +287,12 @@ def test_export_several_runs_keeps_them_apart(
     )
     assert code == 0, err
     assert sorted(p.name for p in (tmp_path / "csv").iterdir()) == ["1-full.csv", "3-lr=0.1.csv"]
+    # A mistyped folder is refused, not made: neither for a file nor for a folder of runs.
+    for out in (tmp_path / "typo" / "run1.csv", tmp_path / "typo" / "runs"):
+        code, _, err = cli(capsys, "export", "1", "--format", "csv", "--out", str(out),
+                           "--db", str(db))  # fmt: skip
+        assert code == 2 and f"the folder {tmp_path / 'typo'} does not exist" in err
+    assert not (tmp_path / "typo").exists()
 
 
 # -- failures -------------------------------------------------------------------------------

@@ -327,6 +327,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.exists() and not out.is_dir() and (len(runs) > 1 or args.format == "tensorboard"):
             raise _UsageError(f"--out {args.out} is a file; pass a folder")
+        if not out.exists() and not out.parent.is_dir():  # a typo makes no folders
+            raise _UsageError(f"--out {args.out}: the folder {out.parent} does not exist")
         for run in runs:
             target = out
             if len(runs) > 1 and args.format != "tensorboard":
