@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stepwatch import (
+    Callback,
     CheckpointConfig,
     EarlyStopping,
     History,
@@ -281,3 +282,23 @@ def test_calling_model_checkpoint_step_end_by_hand_writes_a_file(tmp_path: Path)
     from stepwatch import load_checkpoint
 
     load_checkpoint(tmp_path / "ckpt-1_1.pt", torch.nn.Linear(2, 2))
+
+
+def test_cb_params_metrics_hold_values_from_eval_end_to_the_epoch_end_only() -> None:
+    seen: list[tuple[str, Any]] = []
+
+    class EvalPrinter(Callback):  # MindSpore's LossMonitor idiom
+        def on_train_epoch_begin(self, run_context: RunContext) -> None:
+            seen.append(("begin", run_context.original_args().get("metrics")))
+
+        def on_train_epoch_end(self, run_context: RunContext) -> None:
+            seen.append(("end", run_context.original_args().get("metrics")))
+
+    model = make_model(metrics={"accuracy"})
+    model.train(1, make_batches(2), callbacks=[EvalPrinter()])
+    assert seen == [("begin", None), ("end", None)]  # train: no metrics field at all
+    seen.clear()
+    model.fit(2, make_batches(2), make_batches(2), callbacks=[EvalPrinter()])
+    assert [kind for kind, _ in seen] == ["begin", "end", "begin", "end"]
+    assert seen[0][1] is None and seen[2][1] is None  # removed after each epoch
+    assert set(seen[1][1]) == {"accuracy"} and isinstance(seen[1][1]["accuracy"], float)

@@ -70,6 +70,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
     cb_params.run_view = RunView(
         cb_params, rank=rank, world=world, validates=valid_dataset is not None
     )
+    cb_params.run_view.metrics = parts.metrics
     run_context = RunContext(cb_params)
     source = ContinuingBatches(train_dataset) if sinking else None
 
@@ -154,6 +155,7 @@ def run(parts: Parts, plan: RunPlan) -> None:
             for name in shown:
                 cb_params.__dict__.pop(name, None)
             cb_params.__dict__.pop("eval_results", None)
+            cb_params.__dict__.pop("metrics", None)  # as MindSpore: until the epoch's end
             if run_context.stop_requested:
                 break
         cb_list.call("on_train_end", run_context)

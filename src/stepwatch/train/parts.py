@@ -108,7 +108,6 @@ def new_cb_params(parts: Parts, cb_list: CallbackList, rank: int, world: int) ->
         eval_network=parts.eval_network,
         loss_fn=parts.loss_fn,
         optimizer=parts.optimizer,
-        metrics=parts.metrics,
         device=parts.device,
         rank_id=rank,
         local_rank=local_rank() if world > 1 else 0,

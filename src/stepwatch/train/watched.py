@@ -191,6 +191,7 @@ class WatchedRun:
         p.cur_epoch_num += 1
         p.loss = None
         p.__dict__.pop("eval_results", None)
+        p.__dict__.pop("metrics", None)
         self._in_epoch, self._epoch_steps = True, 0
         self.view.tap.begin_epoch(p.cur_epoch_num, p.cur_step_num + 1)
         self._cb_list.call("on_train_epoch_begin", self.run_context)
@@ -326,9 +327,11 @@ class WatchedRun:
         if evals:
             self.view.validates = True
             p.eval_results = evals
+            p.metrics = {k: v for k, v in evals.items() if k != "eval_loss"}  # as MindSpore
         self._in_epoch = False
         self._cb_list.call("on_train_epoch_end", self.run_context)
         p.__dict__.pop("eval_results", None)
+        p.__dict__.pop("metrics", None)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._state != "running":

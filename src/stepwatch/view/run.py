@@ -48,6 +48,9 @@ class RunView:
             ``save(stem)``, which writes a checkpoint that trainer loads), or None for
             stepwatch's own loops.
         config: the host trainer's own settings, stored with the run (a bridge fills it).
+        metrics: the run's metric objects by name (``Model(metrics=...)``), for their names
+            and the directions they declare; ``cb_params.metrics`` holds their values, as in
+            MindSpore, from the end of an evaluation to the end of its epoch.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class RunView:
         self.state = state
         self.controls: Any = None
         self.config: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
         self.tap = LossTap()
         self.alerts = AlertPath(self)
         self.sink: Any = None

@@ -121,6 +121,7 @@ class MonitorCallback(Callback):
     def _reset_monitor(self, cb_params: CallbackParams | None = None) -> None:
         """Start watching afresh; with cb_params, take the direction the metrics declare."""
         if cb_params is not None:
-            self._minimize = self._resolve_minimize(getattr(cb_params, "metrics", None))
+            objects = view_of(cb_params).metrics or getattr(cb_params, "metrics", None)
+            self._minimize = self._resolve_minimize(objects)
         self.best = math.inf if self._minimize else -math.inf
         self._warned_missing = False

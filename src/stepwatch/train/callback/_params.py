@@ -232,12 +232,13 @@ class CallbackParams:
         sight; the names in ``hide`` (the training metric attributes) are removed, so a hook
         never reads a training value as if it were the evaluation's. On leaving, everything
         is as it was, and whatever the evaluation set under a hidden name is removed.
-        ``eval_results`` and ``valid_dataset`` stay (MindSpore keeps them until the epoch end).
+        ``metrics``, ``eval_results`` and ``valid_dataset`` stay (MindSpore keeps them until
+        the epoch end).
         """
         fields = self.__dict__
         saved: dict[str, Any] = {
             k: fields[k]
-            for k in ("mode", "cur_step_num", "batch_num", "loss_tensor", "outputs", "metrics")
+            for k in ("mode", "cur_step_num", "batch_num", "loss_tensor", "outputs")
             if k in fields
         }
         saved_loss = self._epoch_loss

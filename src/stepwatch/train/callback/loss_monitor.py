@@ -140,10 +140,12 @@ class LossMonitor(Callback):
         handled = run_context.stop_kind == "anomaly" or self._deferred
         if epoch_loss is not None and not math.isfinite(epoch_loss) and not handled:
             raise _nonfinite_error(cb_params.cur_epoch_num, cb_params.step_in_epoch)
-        eval_results = getattr(cb_params, "eval_results", None)
-        if eval_results and self._printing:
+        # MindSpore prints the metrics' values; with none (a run that validates only its
+        # loss), the validation results
+        shown = getattr(cb_params, "metrics", None) or getattr(cb_params, "eval_results", None)
+        if shown and self._printing:
             epoch = cb_params.cur_epoch_num
-            emit(f"{self._prefix}Eval result: epoch {epoch}, metrics: {eval_results}")
+            emit(f"{self._prefix}Eval result: epoch {epoch}, metrics: {shown}")
 
     @property
     def state_key(self) -> str:
