@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -302,3 +303,19 @@ def test_cb_params_metrics_hold_values_from_eval_end_to_the_epoch_end_only() -> 
     assert [kind for kind, _ in seen] == ["begin", "end", "begin", "end"]
     assert seen[0][1] is None and seen[2][1] is None  # removed after each epoch
     assert set(seen[1][1]) == {"accuracy"} and isinstance(seen[1][1]["accuracy"], float)
+
+
+def test_net_outputs_prints_as_a_mindspore_tensor_does() -> None:
+    seen: list[tuple[str, str, str, str]] = []
+
+    class Printer(Callback):  # the seed's f"Step {n}, loss: {loss}"
+        def on_train_step_end(self, run_context: RunContext) -> None:
+            loss = run_context.original_args().net_outputs
+            seen.append((f"{loss}", str(loss), repr(loss), f"{loss:.3f}"))
+
+    make_model().train(1, make_batches(1), callbacks=[Printer()])
+    formatted, text, shown, fixed = seen[0]
+    value = float(formatted)
+    assert formatted == text == str(np.float32(value))  # NumPy's float32 digits: 0.29028413
+    assert shown == f"Tensor(shape=[], dtype=Float32, value= {text})"
+    assert fixed == f"{value:.3f}"

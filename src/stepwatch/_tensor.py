@@ -23,7 +23,9 @@ class Tensor(torch.Tensor):
     """A ``torch.Tensor`` with MindSpore's ``asnumpy()``.
 
     ``float(t)``, comparisons with numbers and f-string formatting behave as for a number when
-    the tensor holds one value. Reading the value of a tensor that lives on a GPU copies it to
+    the tensor holds one value; ``str(t)``, ``print(t)`` and ``f"{t}"`` show its NumPy value
+    and ``repr(t)`` MindSpore's ``Tensor(shape=[], dtype=Float32, value= 0.5)``, as a
+    MindSpore tensor prints. Reading the value of a tensor that lives on a GPU copies it to
     the host; stepwatch only hands you such a tensor, it never reads it for you on a quiet step.
 
     Example:
@@ -31,8 +33,8 @@ class Tensor(torch.Tensor):
         >>> t = torch.tensor(0.5).as_subclass(stepwatch.Tensor)
         >>> t.asnumpy()
         array(0.5, dtype=float32)
-        >>> f"{t:.2f}"
-        '0.50'
+        >>> f"{t:.2f}", f"{t}", t
+        ('0.50', '0.5', Tensor(shape=[], dtype=Float32, value= 0.5))
     """
 
     # Results of operations are plain tensors: no per-op subclass dispatch cost.
@@ -44,8 +46,17 @@ class Tensor(torch.Tensor):
 
     def __format__(self, format_spec: str) -> str:
         if self.dim() == 0:
-            return format(self.item(), format_spec)
+            # f"{loss}" prints as MindSpore's does (its NumPy value: 0.29028413 for float32)
+            return str(self) if not format_spec else format(self.item(), format_spec)
         return torch.Tensor.__format__(torch.Tensor.as_subclass(self, torch.Tensor), format_spec)
+
+    def __str__(self) -> str:
+        return str(self.asnumpy())  # as MindSpore's str(Tensor): the NumPy value's
+
+    def __repr__(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        name = "BFloat16" if name == "bfloat16" else name[:1].upper() + name[1:]
+        return f"Tensor(shape={list(self.shape)}, dtype={name}, value= {self})"  # MindSpore's
 
 
 def as_stepwatch_tensor(value: Any) -> Any:
