@@ -319,3 +319,21 @@ def test_net_outputs_prints_as_a_mindspore_tensor_does() -> None:
     assert formatted == text == str(np.float32(value))  # NumPy's float32 digits: 0.29028413
     assert shown == f"Tensor(shape=[], dtype=Float32, value= {text})"
     assert fixed == f"{value:.3f}"
+
+
+def test_eval_net_outputs_unpack_as_mindspores_eval_network_returns_them() -> None:
+    seen: list[Any] = []
+
+    class Unpack(Callback):
+        def on_eval_step_end(self, run_context: RunContext) -> None:
+            loss, logits, label = run_context.original_args().net_outputs  # (loss, outputs, label)
+            seen.append((loss.dim(), tuple(logits.shape), tuple(label.shape)))
+
+        def on_train_step_end(self, run_context: RunContext) -> None:
+            seen.append(run_context.original_args().net_outputs.dim())  # the loss, in training
+
+    model = make_model(metrics={"accuracy"})
+    batches = make_batches(1)
+    model.fit(1, batches, batches, callbacks=[Unpack()])
+    size, width = len(batches[0][1]), model.eval_network(batches[0][0]).shape[1]
+    assert seen == [0, (0, (size, width), (size,))]

@@ -102,6 +102,7 @@ def eval_pass(
                         total = fold_losses(total, pending)
                 cb_params.loss_tensor = loss
                 cb_params.outputs = outputs  # computed under no_grad: no graph
+                cb_params._eval_label = label if loss is not None else None
                 if step_end:
                     call("on_eval_step_end", run_context)
                 if stoppable and run_context.stop_requested:
@@ -126,4 +127,5 @@ def eval_pass(
         call("on_eval_end", run_context)
     finally:
         network.train(was_training)
+        cb_params._eval_label = None  # no label kept alive after the pass
     return metrics, results

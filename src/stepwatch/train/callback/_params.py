@@ -65,7 +65,8 @@ class CallbackParams:
     Fields computed when read, so that nothing syncs with the device unless a callback asks:
 
     * ``net_outputs`` - the step's loss as a detached :class:`stepwatch.Tensor` (no host copy);
-      during evaluation without a ``loss_fn``, the eval network's output;
+      during evaluation ``(loss, outputs, label)``, as MindSpore's eval network returns them,
+      and without a ``loss_fn`` the eval network's output;
     * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
       at ``on_train_epoch_end`` the epoch's mean training loss, and at the end of an
       evaluation pass that pass's mean loss;
@@ -139,6 +140,7 @@ class CallbackParams:
         self.outputs: Any = None
         self._wrapped: tuple[Any, Any] | None = None
         self._epoch_loss: float | None = None
+        self._eval_label: Any = None  # an evaluation step's label, for net_outputs
         self.progress = Progress()
         computed = {k: fields.pop(k) for k in ("net_outputs", "loss") if k in fields}
         self.__dict__.update(fields)
@@ -157,6 +159,10 @@ class CallbackParams:
         if wrapped is not None and wrapped[0] is raw:
             return wrapped[1]
         value = as_stepwatch_tensor(raw)
+        label = self._eval_label
+        if label is not None and raw is self.loss_tensor and self.mode == "eval":
+            # MindSpore's eval network (WithEvalCell) returns (loss, outputs, label)
+            value = (value, as_stepwatch_tensor(self.outputs), label)
         self._wrapped = (raw, value)
         return value
 
