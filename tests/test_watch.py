@@ -199,7 +199,7 @@ def test_wrong_use_gets_a_clear_error() -> None:
         stepwatch.watch(net, None, [stepwatch.ReduceLROnPlateau()], steps_per_epoch=4)
     stepwatch.watch(net, None, [AnomalyMonitor(action="stop")], steps_per_epoch=4)
 
-    run = stepwatch.watch(net, opt, steps_per_epoch=4)
+    run = stepwatch.watch(net, opt, epochs=2, steps_per_epoch=1)
     loss = net(torch.ones(1, 2)).sum()
     with pytest.raises(RuntimeError, match="before the run started"):
         run.step(loss)
@@ -255,3 +255,36 @@ def test_a_users_own_detector_is_fed_stored_and_acted_on_like_a_builtin(tmp_path
         assert event["message"].endswith("above 50.0: check the data.")
     with pytest.raises(ValueError, match="unknown detector kind 'loss_abov'"):
         AnomalyMonitor(detectors=[LossAbove(1.0)], action={"loss_abov": "stop"})
+
+
+def test_a_loop_that_disagrees_with_what_it_told_watch_is_warned_once_each() -> None:
+    net = nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(run: Any) -> None:
+        opt.zero_grad()
+        loss = net(torch.ones(4, 2)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        run.step(loss)
+
+    # steps_per_epoch counted in samples, not batches: the epochs are shorter
+    warned = pytest.warns(UserWarning, match=r"epoch 1 had 4 steps, not steps_per_epoch=64")
+    with warned as seen, stepwatch.watch(net, opt, epochs=2, steps_per_epoch=64) as run:
+        for _ in range(2):
+            for _ in range(4):
+                step(run)
+            run.epoch_end()
+    assert len(seen) == 1
+    # a Keras-style name for a validation value, and an epoch_end twice, past the epochs told
+    with pytest.warns(UserWarning) as seen, stepwatch.watch(net, opt, steps_per_epoch=2) as run:
+        step(run)
+        step(run)
+        run.epoch_end(val_loss=0.5)
+        run.epoch_end(val_loss=0.5)
+    shown = [str(w.message) for w in seen]
+    assert len(shown) == 3, shown
+    assert "'val_loss' is recorded as a training value (train_val_loss)" in shown[0]
+    assert "with no run.step() since the last epoch's end" in shown[1]
+    assert "epoch 2 is past watch(epochs=1)" in shown[2]
+    assert run.cb_params.cur_epoch_num == 2

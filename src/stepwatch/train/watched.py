@@ -81,6 +81,7 @@ class WatchedRun:
         self._in_epoch = False
         self._epoch_steps = 0
         self._warned_long_epoch = False
+        self._warned: set[str] = set()  # the other warnings given once
         self._last_step_end = 0.0
         self._last_seen = 0  # the last step a hook or the tap's clock saw
         self._stack = contextlib.ExitStack()
@@ -189,6 +190,10 @@ class WatchedRun:
     def _begin_epoch(self) -> None:
         p = self.cb_params
         p.cur_epoch_num += 1
+        if self._host is None and p.cur_epoch_num > p.initial_epoch + p.epoch_num:
+            self._warn_once("epochs", f"epoch {p.cur_epoch_num} is past watch(epochs="
+                            f"{p.initial_epoch + p.epoch_num}): progress and the run's config "
+                            "count that many. Pass the epochs the loop runs.")  # fmt: skip
         p.loss = None
         p.__dict__.pop("eval_results", None)
         p.__dict__.pop("metrics", None)
@@ -239,7 +244,8 @@ class WatchedRun:
             self._warned_long_epoch = True
             warnings.warn(
                 f"epoch {p.cur_epoch_num} has more steps than steps_per_epoch="
-                f"{self._steps_per_epoch}; step numbers within the epoch will be off. Pass "
+                f"{self._steps_per_epoch}; step numbers within the epoch will be off (and "
+                "without run.epoch_end() every step counts as this epoch's). Pass "
                 "watch(..., steps_per_epoch=len(loader)) and call run.epoch_end() after each "
                 "epoch.",
                 UserWarning,
@@ -307,8 +313,22 @@ class WatchedRun:
         numbers = {name: _number(name, value) for name, value in values.items()}
         given = _number("loss", loss) if loss is not None else None
         if not self._in_epoch:
+            self._warn_once("empty", "run.epoch_end() was called with no run.step() since the "
+                            "last epoch's end: this makes an epoch without steps. Call it once "
+                            "after each epoch.")  # fmt: skip
             self._begin_epoch()
         p = self.cb_params
+        steps = self._epoch_steps
+        if 0 < steps < self._steps_per_epoch and not self.run_context.stop_requested:
+            self._warn_once("short", f"epoch {p.cur_epoch_num} had {steps} steps, not "
+                            f"steps_per_epoch={self._steps_per_epoch}: step numbers within "
+                            "the epoch are off. Pass watch(..., steps_per_epoch=len(loader)) "
+                            "(batches, not samples).")  # fmt: skip
+        misnamed = sorted(n for n in numbers if n.startswith("val_"))
+        if misnamed:
+            self._warn_once("val", f"{', '.join(map(repr, misnamed))} is recorded as a training "
+                            f"value (train_{misnamed[0]}): name validation values eval_<name> "
+                            "(eval_loss, eval_accuracy).")  # fmt: skip
         total = self.view.tap.end_epoch()
         train: dict[str, Any] = {}
         if given is not None:
@@ -332,6 +352,11 @@ class WatchedRun:
         self._cb_list.call("on_train_epoch_end", self.run_context)
         p.__dict__.pop("eval_results", None)
         p.__dict__.pop("metrics", None)
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, UserWarning, stacklevel=3)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._state != "running":
