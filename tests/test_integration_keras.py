@@ -420,3 +420,11 @@ def test_a_second_fit_counts_on_from_kerass_own_step_and_initial_epoch(tmp_path:
         steps, _ = store.metrics(recorder.run_id, values.STEP_LOSS)
         assert steps.tolist() == list(range(STEPS + 1, 3 * STEPS + 1))
         assert store.metrics(recorder.run_id, values.LOSS)[0].tolist() == [2 * STEPS, 3 * STEPS]
+
+
+def test_a_stepwatch_callback_handed_to_fit_itself_says_where_it_belongs() -> None:
+    model = _compiled(keras.Sequential(_layers()))
+    where = r"'on_batch_end': LossMonitor is a stepwatch callback.*StepwatchCallback"
+    with pytest.raises(AttributeError, match=where):
+        _fit(model, [LossMonitor(1)], epochs=1)
+    assert getattr(LossMonitor(1), "not_a_field", None) is None  # getattr's default still works

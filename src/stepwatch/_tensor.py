@@ -53,7 +53,7 @@ class Tensor(torch.Tensor):
     def __str__(self) -> str:
         return str(self.asnumpy())  # as MindSpore's str(Tensor): the NumPy value's
 
-    def __repr__(self) -> str:
+    def __repr__(self, **_: Any) -> str:  # type: ignore[override]
         name = str(self.dtype).removeprefix("torch.")
         name = "BFloat16" if name == "bfloat16" else name[:1].upper() + name[1:]
         return f"Tensor(shape={list(self.shape)}, dtype={name}, value= {self})"  # MindSpore's

@@ -175,7 +175,7 @@ class Bridge:
         callbacks: a stepwatch Callback or a list of them (checked now).
     """
 
-    def __init__(self, callbacks: Any) -> None:
+    def __init__(self, callbacks: Any = None) -> None:
         self.callbacks = normalize_callbacks(callbacks)
         self.run: WatchedRun | None = None  # the run in progress
         self.last: WatchedRun | None = None  # the latest run, in progress or ended

@@ -300,7 +300,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
-    def __init__(self, callbacks: Any) -> None:
+    def __init__(self, callbacks: Any = None) -> None:
         _check_backend()
         items = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
         for i, item in enumerate(items):

@@ -87,7 +87,7 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
-    def __init__(self, callbacks: Any) -> None:
+    def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
         self._bridge = Bridge(callbacks)
         self._context: Any = None

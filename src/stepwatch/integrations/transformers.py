@@ -145,7 +145,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         ...     trainer.train()
     """
 
-    def __init__(self, callbacks: Any) -> None:
+    def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
         self._bridge = Bridge(callbacks)
         self._hook: Any = None

@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from ._callback_args import check_hooks, describe_bad_callback
+from ._callback_args import check_hooks, describe_bad_callback, missing_attribute
 from ._params import CallbackParams, Progress
 
 __all__ = [
@@ -92,6 +92,9 @@ class Callback:
 
     order: int = ORDER_DEFAULT
     rank_zero_only: bool = False
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are missing
+        raise missing_attribute(type(self).__name__, name)
 
     # -- state saved in checkpoints ---------------------------------------------------------
     @property

@@ -10,7 +10,13 @@ from typing import Any
 
 from ..._validation import _got
 
-__all__ = ["check_hooks", "describe_bad_callback", "foreign_callback", "hook_signature_problem"]
+__all__ = [
+    "check_hooks",
+    "describe_bad_callback",
+    "foreign_callback",
+    "hook_signature_problem",
+    "missing_attribute",
+]
 
 # The package another trainer's callbacks come from: what they are, and where they go.
 _HOSTS = {
@@ -20,6 +26,17 @@ _HOSTS = {
     "keras": ("a Keras callback", "model.fit(callbacks=[...])", "keras"),
     "mindspore": ("a MindSpore callback", "MindSpore's Model.train(callbacks=[...])", "mindspore"),
 }
+
+# What other trainers call first on a callback of theirs (Lightning, the Hugging Face Trainer,
+# Keras): on a stepwatch callback handed to them, the error says where it belongs.
+_HOST_HOOKS = frozenset(
+    {
+        "setup", "teardown", "on_exception", "on_fit_start", "on_init_end", "set_model",
+        "set_params",
+        "on_batch_begin", "on_batch_end", "on_epoch_begin", "on_epoch_end",
+        "on_train_batch_start", "on_train_batch_end", "on_step_begin", "on_step_end",
+    }
+)  # fmt: skip
 
 # Functions already checked (a class's hooks are checked once, not at every run).
 _checked: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
@@ -62,6 +79,19 @@ def check_hooks(table: dict[str, list[tuple[Any, Any]]]) -> None:
                 f"{owner}'s {hook} function{shown} cannot take the run context: give it one "
                 "argument (lambda run_context: ...)."
             )
+
+
+def missing_attribute(owner: str, name: str) -> AttributeError:
+    """The AttributeError for a stepwatch callback's missing ``name``: when another trainer
+    is calling one of its hooks, with where stepwatch callbacks go in that trainer."""
+    message = f"'{owner}' object has no attribute '{name}'"
+    if name in _HOST_HOOKS:
+        message += (
+            f": {owner} is a stepwatch callback, and another trainer called its own hook on it."
+            " Pass stepwatch callbacks to that trainer through its bridge, StepwatchCallback([...])"
+            " from stepwatch.integrations.lightning, .transformers, .keras or .mindspore"
+        )
+    return AttributeError(message)
 
 
 def foreign_callback(item: Any) -> str | None:
