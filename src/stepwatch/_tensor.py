@@ -112,10 +112,13 @@ def check_loss(call: str, loss: Any, what: str) -> None:
             names what to pass. ValueError: it holds more than one value.
     """
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            f"{call}'s 'loss' must be {what}, but got {_got(loss)}; pass the tensor, not "
-            "loss.item()."
+        hint = (
+            "pass the tensor, not loss.item()"
+            if isinstance(loss, (int, float)) or type(loss).__module__ == "numpy"
+            else "pass the loss tensor itself (e.g. outputs['loss'] of a dict, or loss of a "
+            "list)"
         )
+        raise TypeError(f"{call}'s 'loss' must be {what}, but got {_got(loss)}; {hint}.")
     if loss.numel() != 1:
         raise ValueError(
             f"{call}'s 'loss' must hold one value, but got a tensor of shape "

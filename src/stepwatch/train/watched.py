@@ -312,20 +312,22 @@ class WatchedRun:
         # Every value is read before anything changes: a bad one leaves the epoch as it was.
         numbers = {name: _number(name, value) for name, value in values.items()}
         given = _number("loss", loss) if loss is not None else None
-        if not self._in_epoch:
+        mine = self._host is None  # a hand-written loop (a bridge's host numbers its own)
+        if not self._in_epoch and mine:
             self._warn_once("empty", "run.epoch_end() was called with no run.step() since the "
                             "last epoch's end: this makes an epoch without steps. Call it once "
                             "after each epoch.")  # fmt: skip
+        if not self._in_epoch:
             self._begin_epoch()
         p = self.cb_params
         steps = self._epoch_steps
-        if 0 < steps < self._steps_per_epoch and not self.run_context.stop_requested:
+        if mine and 0 < steps < self._steps_per_epoch and not self.run_context.stop_requested:
             self._warn_once("short", f"epoch {p.cur_epoch_num} had {steps} steps, not "
                             f"steps_per_epoch={self._steps_per_epoch}: step numbers within "
                             "the epoch are off. Pass watch(..., steps_per_epoch=len(loader)) "
                             "(batches, not samples).")  # fmt: skip
         misnamed = sorted(n for n in numbers if n.startswith("val_"))
-        if misnamed:
+        if misnamed and mine:
             self._warn_once("val", f"{', '.join(map(repr, misnamed))} is recorded as a training "
                             f"value (train_{misnamed[0]}): name validation values eval_<name> "
                             "(eval_loss, eval_accuracy).")  # fmt: skip

@@ -123,7 +123,11 @@ class Acting:
         assert self._view is not None
         self._view.rollbacks.append((at, now))
         again = f"; the {alert.kind} came back after the rollback to {tried}" if tried else ""
-        return (
-            f"rolled back to step {at} ({self.rollbacks} of {self.max_rollbacks}{again}); "
+        skipped = (
             f"the batches of steps {at + 1}-{now} are skipped"
+            if now > at + 1
+            else f"the batch of step {now} is skipped"
+        )
+        return (
+            f"rolled back to step {at} ({self.rollbacks} of {self.max_rollbacks}{again}); {skipped}"
         )
