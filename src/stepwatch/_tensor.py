@@ -115,8 +115,7 @@ def check_loss(call: str, loss: Any, what: str) -> None:
         hint = (
             "pass the tensor, not loss.item()"
             if isinstance(loss, (int, float)) or type(loss).__module__ == "numpy"
-            else "pass the loss tensor itself (e.g. outputs['loss'] of a dict, or loss of a "
-            "list)"
+            else "pass the loss tensor itself (e.g. outputs['loss'] of a dict, or loss of a list)"
         )
         raise TypeError(f"{call}'s 'loss' must be {what}, but got {_got(loss)}; {hint}.")
     if loss.numel() != 1:
