@@ -167,6 +167,7 @@ def test_metrics_keys_with_slash_and_nan(served: tuple[DashboardServer, Path]) -
         ("/api/runs/1/metrics/step_loss?start=", 400, "'start' must be an integer"),
         ("/api/runs/1/metrics/step_loss?step=3", 400, "unknown parameter 'step'"),
         ("/api/runs/1/metrics/step_loss?end=1&end=2", 400, "'end' given 2 times"),
+        ("/api/runs/1/metrics/step_loss?start=300&end=100", 400, "'start' 300 is after 'end'"),
     ],
 )
 def test_errors_are_json_with_a_message(
@@ -176,6 +177,20 @@ def test_errors_are_json_with_a_message(
     got, body, kind = _get(server, path)
     assert (got, kind) == (status, "application/json")
     assert message in body["error"]
+
+
+def test_a_write_method_is_refused_with_json(served: tuple[DashboardServer, Path]) -> None:
+    server, _ = served
+    host, port = server.server_address[:2]
+    conn = http.client.HTTPConnection(str(host), int(port), timeout=30)
+    try:
+        conn.request("POST", "/api/runs", body=b"{}")
+        answer = conn.getresponse()
+        body = json.loads(answer.read())
+        assert (answer.status, answer.getheader("Allow")) == (405, "GET, HEAD")
+        assert "POST is not allowed: the dashboard only reads" in body["error"]
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize(

@@ -484,10 +484,18 @@ COMMANDS = {
 }
 
 
+# An argument's name in an error from the library, as the command's flag.
+_FLAGS = {"'db'": "--db", "'path'": "--db", "'to'": "--to", "'port'": "--port", "'host'": "--host"}
+
+
 def _one_line(exc: BaseException) -> str:
     text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
     text = " ".join(str(text).split())
-    return text if isinstance(exc, _UsageError) else f"{type(exc).__name__}: {text}"
+    name, _, rest = text.partition(" ")
+    if name in _FLAGS:  # a bad argument, named as the command's flag
+        return f"{_FLAGS[name]} {rest}"
+    bad_argument = isinstance(exc, (_UsageError, ValueError, TypeError))
+    return text if bad_argument else f"{type(exc).__name__}: {text}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

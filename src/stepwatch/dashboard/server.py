@@ -164,6 +164,9 @@ class _Api:
         return self.store.summary(run)
 
     def metrics(self, run: int, key: str, params: dict[str, int | None]) -> dict[str, Any]:
+        start, end = params.get("start"), params.get("end")
+        if start is not None and end is not None and start > end:
+            raise _HTTPError(HTTPStatus.BAD_REQUEST, f"'start' {start} is after 'end' {end}")
         band = params.pop("band", None)
         steps, values = self.store.metrics(run, key, **params)
         if band is not None:
@@ -292,6 +295,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._answer(head=False)
+
+    def _read_only(self) -> None:
+        """Any method but GET and HEAD: the dashboard only reads (405, with the JSON error)."""
+        body = json.dumps({"error": f"{self.command} is not allowed: the dashboard only reads; "
+                           "use GET"}).encode()  # fmt: skip
+        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+        self.send_header("Allow", "GET, HEAD")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _read_only
 
     def _answer(self, head: bool) -> None:
         parts = urlsplit(self.path)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .._runs import RunInfo
-from ..base import Store, StoreUnreachable, open_write_backend, parse_location
+from ..base import Store, StoreUnreachable, hide_password, open_write_backend, parse_location
 from .postgres_write import PostgresWriteBackend, current_user
 
 __all__ = ["Pushed", "push_runs"]
@@ -43,10 +43,14 @@ def push_runs(
         KeyError: a run that ``source`` does not hold.
         ConnectionError: the server cannot be reached.
     """
-    found = parse_location(target, "to")
-    if found.kind != "postgresql":
+    try:
+        found = parse_location(target, "to")
+    except ValueError:
+        found = None
+    if found is None or found.kind != "postgresql":
+        shown = found.shown if found is not None else hide_password(str(target))
         raise ValueError(
-            f"'to' {found.shown!r} is not a team store: pass a postgresql://user@host/db URL."
+            f"'to' {shown!r} is not a team store: pass a postgresql://user@host/db URL."
         )
     origin_store = parse_location(source, "db")
     if origin_store.kind == "postgresql" and _database(origin_store.target) == _database(target):
