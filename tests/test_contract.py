@@ -238,3 +238,27 @@ def test_a_wrong_callback_is_refused_before_training_with_what_to_do() -> None:
         model.train(1, batches, callbacks=[LambdaCallback(on_train_epoch_end=lambda: None)])
     after = list(model.train_network.parameters())
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # refused before any step
+
+
+def test_a_hook_under_another_name_is_warned_once_with_the_name_meant() -> None:
+    class KerasStyle(Callback):
+        def on_epoch_end(self, run_context: RunContext) -> None:  # Keras's name
+            pass
+
+        def on_train_step_ends(self, run_context: RunContext) -> None:  # a typo
+            pass
+
+        def on_my_own_event(self, run_context: RunContext) -> None:  # no hook looks like it
+            pass
+
+    model = make_model()
+    with pytest.warns(UserWarning) as seen:
+        model.train(1, make_batches(2), callbacks=[KerasStyle()])
+    shown = sorted(str(w.message) for w in seen)
+    assert shown == [
+        "KerasStyle.on_epoch_end is not a hook stepwatch calls, so it never runs; did you mean "
+        "on_train_epoch_end?",
+        "KerasStyle.on_train_step_ends is not a hook stepwatch calls, so it never runs; did you "
+        "mean on_train_step_end?",
+    ]
+    model.train(1, make_batches(2), callbacks=[KerasStyle()])  # once per class: no warning now

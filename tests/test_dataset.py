@@ -69,3 +69,12 @@ def test_batch_argument_validation() -> None:
         ds.batch(0)
     with pytest.raises(TypeError, match="'drop_remainder' must be a bool"):
         ds.batch(2, drop_remainder=None)  # type: ignore[arg-type]
+
+
+def test_a_list_is_one_column_as_in_mindspore() -> None:
+    rows = [batch[0].tolist() for batch in NumpySlicesDataset([1, 2, 3], column_names=["n"])]
+    assert rows == [[1], [2], [3]]
+    (pair,) = NumpySlicesDataset([[1, 2], [3, 4]]).batch(2)
+    assert len(pair) == 1 and pair[0].tolist() == [[1, 2], [3, 4]]  # one column of two rows
+    with pytest.raises(ValueError, match=r"pass a tuple for several columns"):
+        NumpySlicesDataset([np.ones((4, 2)), np.zeros(4)])

@@ -135,7 +135,7 @@ def test_a_failing_endpoint_is_retried_counted_and_logged_once(
     assert len(failing.bodies) == 8
     assert recorder.writer is not None and recorder.writer.notifier is not None
     assert (recorder.writer.notifier.sent, recorder.writer.notifier.failed) == (0, 2)
-    warnings = [r.getMessage() for r in caplog.records if "notify" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "could not post" in r.getMessage()]
     assert len(warnings) == 1 and "HTTP 503" in warnings[0]
     assert SECRET not in caplog.text and "http://127.0.0.1:" in warnings[0]
 
@@ -245,7 +245,12 @@ def test_a_malformed_answer_or_a_hanging_endpoint_never_stops_the_notifier_or_th
         mode[0] = "hang"
         monkeypatch.setattr(notify, "_TIMEOUT", 30.0)
         recorder = RunRecorder(db=tmp_path / "hang.db", notify=url)
-        _train_with_nan([AnomalyMonitor(action="stop"), recorder])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            _train_with_nan([AnomalyMonitor(action="stop"), recorder])
+        # ... and says that what it could not post yet is lost if the process exits now
+        assert "not posted within 2 s of the run's end" in caplog.text
+        assert SECRET not in caplog.text
         with Store(tmp_path / "hang.db") as store:
             assert store.run(recorder.run_id).status == "anomaly"
         notifier = recorder.writer.notifier  # type: ignore[union-attr]

@@ -387,6 +387,14 @@ def test_loss_scale_manager_args_validation(make: Any, match: str) -> None:
         make()
 
 
+def test_a_loss_scale_manager_class_is_refused_with_what_to_pass() -> None:
+    net = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match=r"is the class FixedLossScaleManager, not an instance: "
+                       r"pass FixedLossScaleManager\(\) instead"):  # fmt: skip
+        Model(net, nn.MSELoss(), torch.optim.SGD(net.parameters(), lr=0.1), amp_level="O2",
+              loss_scale_manager=FixedLossScaleManager)  # type: ignore[arg-type]  # fmt: skip
+
+
 def test_recorder_stores_the_loss_scale_and_skipped_steps(tmp_path: Path) -> None:
     from stepwatch import RunRecorder, Store
 

@@ -1,12 +1,13 @@
 """Checks the ``stepwatch demo`` command makes before it trains: the paths it writes and the
-device. Each failure is a :class:`UsageError`: one line on stderr, exit status 2."""
+device. Each failure is a :class:`UsageError`: one line on stderr, exit status 2
+(:func:`one_line` words every command's failure)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-__all__ = ["UsageError", "check_demo_paths", "check_device"]
+__all__ = ["UsageError", "check_demo_paths", "check_device", "one_line"]
 
 
 class UsageError(Exception):
@@ -69,3 +70,19 @@ def check_device(text: str) -> None:
         raise UsageError(f"--device {text!r}: no {device.type} device on this machine")
     if device.index is not None and device.index >= count:
         raise UsageError(f"--device {text!r}: this machine has {count} {device.type} device(s)")
+
+
+# An argument's name in an error from the library, as the command's flag.
+_FLAGS = {"'db'": "--db", "'path'": "--db", "'to'": "--to", "'port'": "--port", "'host'": "--host"}
+
+
+def one_line(exc: BaseException) -> str:
+    """A command's failure in one line: a bad argument named as its flag, a surprise with its
+    exception class."""
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+    text = " ".join(str(text).split())
+    name, _, rest = text.partition(" ")
+    if name in _FLAGS:  # a bad argument, named as the command's flag
+        return f"{_FLAGS[name]} {rest}"
+    bad_argument = isinstance(exc, (UsageError, ValueError, TypeError))
+    return text if bad_argument else f"{type(exc).__name__}: {text}"

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from . import _format as fmt
 from ._cli_checks import UsageError as _UsageError
 from ._cli_checks import check_demo_paths, check_device
+from ._cli_checks import one_line as _one_line
 from ._cli_push import cmd_push
 from ._version import __version__
 from .monitor.values import direction
@@ -482,20 +483,6 @@ COMMANDS = {
     "rm": cmd_rm,
     "push": cmd_push,
 }
-
-
-# An argument's name in an error from the library, as the command's flag.
-_FLAGS = {"'db'": "--db", "'path'": "--db", "'to'": "--to", "'port'": "--port", "'host'": "--host"}
-
-
-def _one_line(exc: BaseException) -> str:
-    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
-    text = " ".join(str(text).split())
-    name, _, rest = text.partition(" ")
-    if name in _FLAGS:  # a bad argument, named as the command's flag
-        return f"{_FLAGS[name]} {rest}"
-    bad_argument = isinstance(exc, (_UsageError, ValueError, TypeError))
-    return text if bad_argument else f"{type(exc).__name__}: {text}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

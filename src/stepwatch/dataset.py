@@ -26,8 +26,10 @@ class NumpySlicesDataset:
     """Slices of in-memory arrays, batched, yielding tuples of ``torch.Tensor`` columns.
 
     Args:
-        data: a tuple or list of arrays (one per column), a dict ``{column: array}``, or a single
-            array. All columns must have the same first dimension.
+        data: a tuple of arrays (one per column), a dict ``{column: array}``, a single array,
+            or a list, which is one column whose items are the rows (as in MindSpore:
+            ``NumpySlicesDataset([1, 2, 3])`` has three rows). All columns must have the same
+            first dimension.
         column_names: names of the columns (default ``column_0``, ``column_1``, ... or the dict
             keys).
         shuffle: reshuffle the rows every epoch, using torch's global RNG (so
@@ -51,9 +53,22 @@ class NumpySlicesDataset:
         if isinstance(data, dict):
             names = list(data)
             columns = list(data.values())
-        elif isinstance(data, (tuple, list)):
+        elif isinstance(data, tuple):
             columns = list(data)
             names = [f"column_{i}" for i in range(len(columns))]
+        elif isinstance(data, list):
+            # As in MindSpore, a list is one column: its items are the rows.
+            try:
+                column = np.asarray(data)
+            except ValueError:
+                raise ValueError(
+                    "'data' is a list, which is one column with one row per item (as in "
+                    "MindSpore), but its items differ in shape; pass a tuple for several "
+                    "columns: NumpySlicesDataset((x, y))."
+                ) from None
+            if not data:
+                raise ValueError("'data' must hold at least one row, but got an empty list.")
+            columns, names = [column], ["column_0"]
         else:
             columns = [data]
             names = ["column_0"]

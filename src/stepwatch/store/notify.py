@@ -211,3 +211,11 @@ class Notifier:
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # still trying: a process that exits now loses them
+            logger.warning(
+                "stepwatch notify: %d message(s) to %s not posted within %.0f s of the run's "
+                "end (the endpoint is slow or away); they are lost if the process exits first",
+                len(self._queue) + 1,
+                self.shown,
+                timeout,
+            )

@@ -348,6 +348,13 @@ def build_step_options(
     """
     resolved = resolve_precision(amp_level, precision, device)
     if loss_scale_manager is not None and not isinstance(loss_scale_manager, LossScaleManager):
+        if isinstance(loss_scale_manager, type) and issubclass(
+            loss_scale_manager, LossScaleManager
+        ):
+            name = loss_scale_manager.__name__
+            raise TypeError(
+                f"'loss_scale_manager' is the class {name}, not an instance: pass {name}() instead."
+            )
         raise TypeError(
             "'loss_scale_manager' must be a FixedLossScaleManager or DynamicLossScaleManager, "
             f"but got {loss_scale_manager!r} with type '{type(loss_scale_manager).__name__}'."

@@ -7,7 +7,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
-from ._callback_args import check_hooks, describe_bad_callback, missing_attribute
+from ._callback_args import (
+    check_hook_names,
+    check_hooks,
+    describe_bad_callback,
+    missing_attribute,
+)
 from ._params import CallbackParams, Progress
 
 __all__ = [
@@ -410,6 +415,7 @@ class CallbackList:
             for hook in HOOKS
         }
         check_hooks(self.table)  # each can take the run context: before the run, not in it
+        check_hook_names(self.callbacks, HOOKS, Callback)
         # What the loops call: per hook, the bound functions only.
         self.fns: dict[str, list[Callable[[RunContext], Any]]] = {
             hook: [fn for _, fn in entries] for hook, entries in self.table.items()

@@ -11,6 +11,7 @@ from typing import Any
 from ..._validation import _got
 
 __all__ = [
+    "check_hook_names",
     "check_hooks",
     "describe_bad_callback",
     "foreign_callback",
@@ -37,6 +38,24 @@ _HOST_HOOKS = frozenset(
         "on_train_batch_start", "on_train_batch_end", "on_step_begin", "on_step_end",
     }
 )  # fmt: skip
+
+# Other trainers' hook names, and the stepwatch hook each one means.
+_THEIR_NAMES = {
+    "on_epoch_begin": "on_train_epoch_begin",
+    "on_epoch_end": "on_train_epoch_end",
+    "on_epoch_start": "on_train_epoch_begin",
+    "on_batch_begin": "on_train_step_begin",
+    "on_batch_end": "on_train_step_end",
+    "on_train_batch_begin": "on_train_step_begin",
+    "on_train_batch_start": "on_train_step_begin",
+    "on_train_batch_end": "on_train_step_end",
+    "on_step_begin": "on_train_step_begin",
+    "on_step_end": "on_train_step_end",
+    "on_train_start": "on_train_begin",
+    "on_validation_end": "on_eval_end",
+    "on_validation_epoch_end": "on_eval_epoch_end",
+}
+_warned_classes: set[type] = set()
 
 # Functions already checked (a class's hooks are checked once, not at every run).
 _checked: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
@@ -78,6 +97,39 @@ def check_hooks(table: dict[str, list[tuple[Any, Any]]]) -> None:
             raise TypeError(
                 f"{owner}'s {hook} function{shown} cannot take the run context: give it one "
                 "argument (lambda run_context: ...)."
+            )
+
+
+def check_hook_names(callbacks: Any, hooks: tuple[str, ...], base: type) -> None:
+    """Warn once per class when a callback of one's own defines an ``on_...`` method that no
+    loop calls (a misspelling, or another trainer's name for a hook), naming the hook meant."""
+    import difflib
+    import warnings
+
+    for callback in callbacks:
+        cls = type(callback)
+        if cls in _warned_classes or cls.__module__.split(".")[0] == "stepwatch":
+            continue
+        _warned_classes.add(cls)
+        mro = cls.__mro__
+        mine = mro[: mro.index(base)] if base in mro else mro  # the classes above stepwatch's
+        own = {
+            name
+            for klass in mine
+            for name, value in vars(klass).items()
+            if name.startswith("on_") and name not in hooks and callable(value)
+        }
+        for name in sorted(own):
+            meant = _THEIR_NAMES.get(name) or next(
+                iter(difflib.get_close_matches(name, hooks, n=1, cutoff=0.8)), None
+            )
+            if meant is None:
+                continue  # a method of its own that only looks like a hook
+            warnings.warn(
+                f"{cls.__name__}.{name} is not a hook stepwatch calls, so it never runs; did "
+                f"you mean {meant}?",
+                UserWarning,
+                stacklevel=4,
             )
 
 
