@@ -380,12 +380,18 @@ def test_push_copies_local_runs_once_and_a_live_run_again_later(
         steps, _ = team.metrics(run.id, "step_loss")
         assert steps.tolist() == list(range(400))
         assert team.summary(run.id)["step_loss"]["count"] == 400  # nothing counted twice
+    third = RunWriter(db, name="third")
+    third.log("step_loss", 1.0, 1, epoch=1)
+    third.close()
+    assert run_cli("push", "--db", str(db), "--to", pg_url, timeout=60).returncode == 0
+    with Store(pg_url) as team:  # the pushes that found nothing new used up no run id
+        assert sorted(r.id for r in team.runs()) == [1, 2, 3] and team.run("third").id == 3
     bad = run_cli("push", "--db", str(db), "--to", str(tmp_path / "other.db"), timeout=60)
     assert bad.returncode == 2 and "is not a team store" in bad.stderr
     itself = run_cli("push", "--db", pg_url, "--to", pg_url, timeout=60)  # would copy it again
     assert itself.returncode == 2 and "name the same store" in itself.stderr
     with Store(pg_url) as team:
-        assert len(team.runs()) == 2
+        assert len(team.runs()) == 3
 
 
 def test_runs_filters_by_host_user_and_name_over_postgresql(pg_url: str, tmp_path: Path) -> None:

@@ -210,6 +210,11 @@ class PostgresWriteBackend(WriteBackend):
 # -- the statements ---------------------------------------------------------------------------
 def _create_run(conn: Any, row: tuple[Any, ...], status: str, pushed: bool) -> int:
     name = row[0]
+    # A run made before (a push again, a retry after a lost answer) is found first: an
+    # INSERT that only meets the conflict would still use up a run id.
+    known = conn.execute("SELECT id FROM runs WHERE origin = %s", (row[-1],)).fetchone()
+    if known is not None:
+        return int(known[0])
     found = conn.execute(
         'INSERT INTO runs (name, started, host, "user", pid, config, heartbeat, origin, '
         "status, pushed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
