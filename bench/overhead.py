@@ -42,6 +42,9 @@ Configurations:
   ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
 * ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what the
   gradient statistics every 25 steps cost, as ``j2 - j``.
+* ``j0 ...,no grads`` - ``j`` with every detector but those that read the gradients
+  (explosion, vanishing, dying ReLU, saturation): all the gradient statistics cost, as
+  ``j0 - j``.
 * ``k watch`` - the raw loop of ``a`` with ``stepwatch.watch`` and the callbacks of ``j``
   (``run.step(loss)`` after each step), timed around the loop; paired with the same loop over
   the same network and optimizer without ``watch``.
@@ -233,6 +236,8 @@ def stepwatch_recorder_runner(
             callbacks = _watchers(db, sink)
         elif extra == "watchers, grads/100":
             callbacks = _watchers(db, sink, grad_every=100)
+        elif extra == "watchers, no grads":
+            callbacks = _watchers(db, sink, grads=False)
         model.train(1, work.batches, callbacks=[*callbacks, timer])
         return timer.seconds
 
@@ -256,11 +261,20 @@ def stepwatch_plot_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, extra="plot")
 
 
-def _watchers(db: str, sink: Any, grad_every: int = 25) -> list[stepwatch.Callback]:
+# AnomalyMonitor's kinds that read the gradients (and the activations on the same steps).
+_GRAD_KINDS = ("grad_explosion", "grad_vanishing", "dying_relu", "saturation")
+
+
+def _watchers(
+    db: str, sink: Any, grad_every: int = 25, grads: bool = True
+) -> list[stepwatch.Callback]:
     """The monitors of the issue's goal: the store, the detectors and a progress display."""
+    from stepwatch.monitor.detectors import DETECTORS
+
+    kinds = None if grads else [k for k in DETECTORS if k not in (*_GRAD_KINDS, "threshold")]
     return [
         stepwatch.RunRecorder(db=db, every_n_steps=1),
-        stepwatch.AnomalyMonitor(grad_every_n_steps=grad_every),
+        stepwatch.AnomalyMonitor(detectors=kinds, grad_every_n_steps=grad_every),
         stepwatch.ProgressBar(file=sink),
     ]
 
@@ -271,6 +285,10 @@ def stepwatch_watchers_runner(work: Workload) -> EpochRunner:
 
 def stepwatch_watchers_sparse_runner(work: Workload) -> EpochRunner:
     return stepwatch_recorder_runner(work, extra="watchers, grads/100")
+
+
+def stepwatch_watchers_no_grads_runner(work: Workload) -> EpochRunner:
+    return stepwatch_recorder_runner(work, extra="watchers, no grads")
 
 
 def watch_runner(work: Workload) -> EpochRunner:
@@ -442,6 +460,7 @@ CONFIGS = [
     Config("i rec+plot", "epoch hooks (callback)", stepwatch_plot_runner),
     Config("j rec+anom+prog", "epoch hooks (callback)", stepwatch_watchers_runner),
     Config("j2 ...,grads/100", "epoch hooks (callback)", stepwatch_watchers_sparse_runner),
+    Config("j0 ...,no grads", "epoch hooks (callback)", stepwatch_watchers_no_grads_runner),
     Config("k watch", "the loop itself", watch_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),
     Config("f keras", "epoch hooks (callback)", keras_runner, "keras"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import time
 import warnings
 from typing import Any
@@ -388,7 +389,7 @@ def _number(name: str, value: Any) -> float:
     """An epoch value as a float: a number or a one-value tensor."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach().reshape(()).item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # NumPy's count
         what = f"a tensor of {value.numel()} values" if isinstance(value, torch.Tensor) else None
         raise TypeError(
             f"run.epoch_end()'s {name!r} must be a number or a one-value tensor, but got "
