@@ -254,6 +254,7 @@ def test_a_hook_under_another_name_is_warned_once_with_the_name_meant() -> None:
     model = make_model()
     with pytest.warns(UserWarning) as seen:
         model.train(1, make_batches(2), callbacks=[KerasStyle()])
+    assert {w.filename for w in seen} == {__file__}  # pointing at the user's line
     shown = sorted(str(w.message) for w in seen)
     assert shown == [
         "KerasStyle.on_epoch_end is not a hook stepwatch calls, so it never runs; did you mean "

@@ -25,6 +25,21 @@ class UnknownNameError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised by the caller of this function that points at
+    the first frame outside stepwatch: the user's line, however deep the call came from."""
+    import sys
+
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _got(value: Any) -> str:
     shown = repr(value)
     if "\n" in shown or len(shown) > 120:  # a network's or an optimizer's repr: its first line

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .._tensor import check_loss, detached
-from .._validation import _got, check_int
+from .._validation import _got, check_int, user_stacklevel
 from ..distributed import rank_and_world
 from ..view.run import RunView
 from .callback._callback import CallbackList, CallbackParams, RunContext, normalize_callbacks
@@ -359,7 +359,7 @@ class WatchedRun:
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._state != "running":

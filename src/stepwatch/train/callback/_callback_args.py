@@ -8,7 +8,7 @@ import inspect
 import weakref
 from typing import Any
 
-from ..._validation import _got
+from ..._validation import _got, user_stacklevel
 
 __all__ = [
     "check_hook_names",
@@ -129,7 +129,7 @@ def check_hook_names(callbacks: Any, hooks: tuple[str, ...], base: type) -> None
                 f"{cls.__name__}.{name} is not a hook stepwatch calls, so it never runs; did "
                 f"you mean {meant}?",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
 
