@@ -300,7 +300,8 @@ class RunWriter:
             return
         self._closing = True
         self._wake.set()
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         away = deadline
         while self._thread.is_alive() and time.monotonic() < min(deadline, away):
             self._thread.join(0.1)
@@ -309,12 +310,13 @@ class RunWriter:
             elif away == deadline:  # a server that is away gets a shorter wait
                 away = time.monotonic() + _UNREACHABLE_CLOSE_WAIT
         if self._thread.is_alive():  # the store stayed locked: what still waits is lost
+            waited = time.monotonic() - started  # a server that is away is waited for less
             self._give_up = True
             self._thread.join(5.0)
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in list(self._pending))
             self._pending.clear()
             why = "away" if self._unreachable else "locked"
-            self._report_disk_error(StoreBusy(f"still {why} after {timeout:.0f} s"), lost)
+            self._report_disk_error(StoreBusy(f"still {why} after {waited:.0f} s"), lost)
         self._closed = True
         _OPEN_WRITERS.discard(self)
         try:
