@@ -263,3 +263,38 @@ def test_a_hook_under_another_name_is_warned_once_with_the_name_meant() -> None:
         "mean on_train_step_end?",
     ]
     model.train(1, make_batches(2), callbacks=[KerasStyle()])  # once per class: no warning now
+
+
+def test_a_callback_mixin_and_a_failing_property_keep_their_own_attribute_errors() -> None:
+    class Probe(Callback, torch.nn.Module):  # a callback that holds a module of its own
+        def __init__(self) -> None:
+            Callback.__init__(self)
+            torch.nn.Module.__init__(self)
+            self.lin = torch.nn.Linear(2, 2)
+
+    assert isinstance(Probe().lin, torch.nn.Linear)  # found by nn.Module's __getattr__
+
+    class Failing(Callback):
+        @property
+        def value(self) -> Any:
+            return self._not_set_yet
+
+    with pytest.raises(AttributeError, match="'_not_set_yet'"):  # the real cause, not 'value'
+        _ = Failing().value
+    with pytest.raises(AttributeError, match=r"^'Failing' object has no attribute 'other'$"):
+        _ = Failing().other
+
+
+def test_a_hook_function_is_checked_as_a_method_and_as_a_plain_function_apart() -> None:
+    def hook(callback: Any, run_context: RunContext) -> None:
+        pass
+
+    class AsMethod(Callback):
+        on_train_step_end = hook  # a method: (self, run_context)
+
+    CallbackList([AsMethod()])  # fine, and cached as a method
+    plain = Callback()
+    plain.on_train_step_end = hook  # type: ignore[method-assign]  # on the instance: 2 arguments
+    with pytest.raises(TypeError, match="Callback's on_train_step_end function"):
+        CallbackList([plain])
+    CallbackList([AsMethod()])  # still fine after the plain check

@@ -337,3 +337,14 @@ def test_eval_net_outputs_unpack_as_mindspores_eval_network_returns_them() -> No
     model.fit(1, batches, batches, callbacks=[Unpack()])
     size, width = len(batches[0][1]), model.eval_network(batches[0][0]).shape[1]
     assert seen == [0, (0, (size, width), (size,))]
+
+
+def test_a_bfloat16_or_multi_value_net_outputs_prints_too() -> None:
+    from stepwatch import Tensor
+
+    half = torch.tensor(0.5).bfloat16().as_subclass(Tensor)  # NumPy has no bfloat16
+    assert (str(half), f"{half}", f"{half:.2f}") == ("0.5", "0.5", "0.50")
+    assert repr(half) == "Tensor(shape=[], dtype=BFloat16, value= 0.5)"
+    grid = torch.arange(4.0).reshape(2, 2).as_subclass(Tensor)
+    assert f"{grid}" == str(grid) == str(grid.asnumpy())  # NumPy's layout, as MindSpore's
+    assert repr(grid) == f"Tensor(shape=[2, 2], dtype=Float32, value= {grid.asnumpy()})"

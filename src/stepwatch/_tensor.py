@@ -19,6 +19,10 @@ from ._validation import _got
 __all__ = ["Tensor", "check_loss", "detached", "stack_losses"]
 
 
+# Tensor dtypes NumPy has no type for (shown through float32).
+_NOT_IN_NUMPY = frozenset({torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2})
+
+
 class Tensor(torch.Tensor):
     """A ``torch.Tensor`` with MindSpore's ``asnumpy()``.
 
@@ -45,13 +49,18 @@ class Tensor(torch.Tensor):
         return torch.Tensor.detach(self).cpu().numpy()
 
     def __format__(self, format_spec: str) -> str:
+        if not format_spec:
+            return str(self)  # f"{loss}" prints as MindSpore's does: 0.29028413 for float32
         if self.dim() == 0:
-            # f"{loss}" prints as MindSpore's does (its NumPy value: 0.29028413 for float32)
-            return str(self) if not format_spec else format(self.item(), format_spec)
+            return format(self.item(), format_spec)
         return torch.Tensor.__format__(torch.Tensor.as_subclass(self, torch.Tensor), format_spec)
 
     def __str__(self) -> str:
-        return str(self.asnumpy())  # as MindSpore's str(Tensor): the NumPy value's
+        # As MindSpore's str(Tensor): the NumPy value's (a dtype NumPy lacks shown as float32)
+        value = torch.Tensor.detach(self).cpu()
+        if value.dtype in _NOT_IN_NUMPY:
+            value = value.float()
+        return str(value.numpy())
 
     def __repr__(self, **_: Any) -> str:  # type: ignore[override]
         name = str(self.dtype).removeprefix("torch.")

@@ -212,18 +212,17 @@ def _create_run(conn: Any, row: tuple[Any, ...], status: str, pushed: bool) -> i
     name = row[0]
     # A run made before (a push again, a retry after a lost answer) is found first: an
     # INSERT that only meets the conflict would still use up a run id.
-    known = conn.execute("SELECT id FROM runs WHERE origin = %s", (row[-1],)).fetchone()
-    if known is not None:
-        return int(known[0])
-    found = conn.execute(
-        'INSERT INTO runs (name, started, host, "user", pid, config, heartbeat, origin, '
-        "status, pushed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
-        "ON CONFLICT (origin) DO UPDATE SET origin = excluded.origin RETURNING id",
-        (*row, status, pushed),
-    ).fetchone()
+    found = conn.execute("SELECT id FROM runs WHERE origin = %s", (row[-1],)).fetchone()
+    if found is None:
+        found = conn.execute(
+            'INSERT INTO runs (name, started, host, "user", pid, config, heartbeat, origin, '
+            "status, pushed) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+            "ON CONFLICT (origin) DO UPDATE SET origin = excluded.origin RETURNING id",
+            (*row, status, pushed),
+        ).fetchone()
     run = int(found[0])
-    if not name:
-        conn.execute("UPDATE runs SET name = %s WHERE id = %s", (f"run-{run}", run))
+    if not name:  # (again after a retry: the first try may have been cut off before this)
+        conn.execute("UPDATE runs SET name = %s WHERE id = %s AND name = ''", (f"run-{run}", run))
     return run
 
 

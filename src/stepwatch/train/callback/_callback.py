@@ -11,6 +11,7 @@ from ._callback_args import (
     check_hook_names,
     check_hooks,
     describe_bad_callback,
+    is_host_hook,
     missing_attribute,
 )
 from ._params import CallbackParams, Progress
@@ -99,7 +100,12 @@ class Callback:
     rank_zero_only: bool = False
 
     def __getattr__(self, name: str) -> Any:  # only for names that are missing
-        raise missing_attribute(type(self).__name__, name)
+        if is_host_hook(name):  # another trainer calling its hook: say where this belongs
+            raise missing_attribute(type(self).__name__, name)
+        parent = getattr(super(), "__getattr__", None)  # a mixin's own (nn.Module's)
+        if parent is not None:
+            return parent(name)
+        return object.__getattribute__(self, name)  # the plain error (a property's own)
 
     # -- state saved in checkpoints ---------------------------------------------------------
     @property

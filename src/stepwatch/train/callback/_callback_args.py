@@ -16,6 +16,7 @@ __all__ = [
     "describe_bad_callback",
     "foreign_callback",
     "hook_signature_problem",
+    "is_host_hook",
     "missing_attribute",
 ]
 
@@ -57,8 +58,10 @@ _THEIR_NAMES = {
 }
 _warned_classes: set[type] = set()
 
-# Functions already checked (a class's hooks are checked once, not at every run).
-_checked: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+# Functions already checked (a class's hooks are checked once, not at every run): as methods
+# (the first argument bound) and as plain functions, apart.
+_checked_methods: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+_checked_plain: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
 
 
 def describe_bad_callback(index: int | None, item: Any, callback_type: type) -> str:
@@ -133,17 +136,20 @@ def check_hook_names(callbacks: Any, hooks: tuple[str, ...], base: type) -> None
             )
 
 
+def is_host_hook(name: str) -> bool:
+    """Whether another trainer calls ``name`` first on a callback of its own."""
+    return name in _HOST_HOOKS
+
+
 def missing_attribute(owner: str, name: str) -> AttributeError:
-    """The AttributeError for a stepwatch callback's missing ``name``: when another trainer
-    is calling one of its hooks, with where stepwatch callbacks go in that trainer."""
-    message = f"'{owner}' object has no attribute '{name}'"
-    if name in _HOST_HOOKS:
-        message += (
-            f": {owner} is a stepwatch callback, and another trainer called its own hook on it."
-            " Pass stepwatch callbacks to that trainer through its bridge, StepwatchCallback([...])"
-            " from stepwatch.integrations.lightning, .transformers, .keras or .mindspore"
-        )
-    return AttributeError(message)
+    """The AttributeError for a stepwatch callback's missing ``name`` that another trainer
+    calls as its hook: where stepwatch callbacks go in that trainer."""
+    return AttributeError(
+        f"'{owner}' object has no attribute '{name}': {owner} is a stepwatch callback, and "
+        "another trainer called its own hook on it. Pass stepwatch callbacks to that trainer "
+        "through its bridge, StepwatchCallback([...]) from stepwatch.integrations.lightning, "
+        ".transformers, .keras or .mindspore"
+    )
 
 
 def foreign_callback(item: Any) -> str | None:
@@ -163,8 +169,9 @@ def hook_signature_problem(fn: Any) -> str | None:
     """The signature of a hook that cannot be called with the run context alone (shown in the
     error), or None when it can (or cannot be told)."""
     func = getattr(fn, "__func__", fn)
+    checked = _checked_methods if func is not fn else _checked_plain
     try:
-        return _checked[func]
+        return checked[func]
     except (KeyError, TypeError):
         pass
     try:
@@ -177,7 +184,7 @@ def hook_signature_problem(fn: Any) -> str | None:
     except TypeError:
         problem = str(signature.replace(return_annotation=inspect.Signature.empty))
     try:
-        _checked[func] = problem
+        checked[func] = problem
     except TypeError:  # not weak-referable (a builtin)
         pass
     return problem
