@@ -404,3 +404,17 @@ def test_a_logged_minus_inf_is_not_the_best_loss_and_unicode_names_survive_expor
         assert run_label(run) == "1-训练-lr=0.1"
     code, out, _ = cli(capsys, "runs", "--db", str(db))
     assert code == 0 and "训练-lr=0.1" in out and "-inf" not in out
+
+
+def test_a_bad_argument_is_named_as_its_flag(
+    capsys: pytest.CaptureFixture[str], db: Path, tmp_path: Path
+) -> None:
+    code, _, err = cli(capsys, "runs", "--db", "sqllite:///runs.db")
+    assert code == 2 and err.startswith("stepwatch runs: --db 'sqllite:///runs.db' names an")
+    code, _, err = cli(capsys, "serve", "--db", str(db), "--port", "99999")
+    assert (
+        code == 2 and err.strip() == "stepwatch serve: --port must be at most 65535, but got 99999."
+    )
+    code, _, err = cli(capsys, "push", "--db", str(db), "--to", "postgresq://u:pw@h/db")
+    one_line_error(err, "--to 'postgresq://u:***@h/db' is not a team store: pass a postgresql://")
+    assert code == 2 and "ValueError" not in err and ":pw@" not in err, err
