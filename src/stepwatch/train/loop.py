@@ -324,7 +324,7 @@ def train_epoch(
                     )
             # A plain CPU loss is read at once: that waits for nothing and keeps no tensor
             # alive; one above the tap's alarm (or NaN) wakes it now. Any other loss (an
-            # accelerator's, a tensor subclass) goes in unread. (LossTap.add, inlined: this is
+            # accelerator's, a tensor subclass) goes in unread. (LossTap.push, inlined: this is
             # the hot path.)
             if type(loss) is tensor and loss.is_cpu:
                 value = loss.item()

@@ -255,7 +255,7 @@ class WatchedRun:
         p.cur_step_num = p.progress.trained_step = step
         # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
         # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
-        # (LossTap.add, inlined: this runs every step.)
+        # (LossTap.push, inlined: this runs every step.)
         tap = self.view.tap
         if type(loss) is torch.Tensor and loss.is_cpu:
             value = loss.item()

@@ -194,8 +194,9 @@ class LossTap:
         Raises:
             TypeError: ``step`` is not an int, ``fn`` not callable. ValueError: ``step`` < 0.
         """
-        check_int("step", step, minimum=0)
-        check_callable("fn", fn, allow_none=False)
+        if type(step) is not int or step < 0 or not callable(fn):  # (monitors re-arm often)
+            check_int("step", step, minimum=0)
+            check_callable("fn", fn, allow_none=False)
         self._timers.append((step, fn))
         self._soonest = min(self._soonest, step)
         if step < self.wake:
@@ -223,22 +224,17 @@ class LossTap:
 
     def push(self, loss: Any) -> None:
         """Add the next step's loss (a float, or a detached tensor); :meth:`tick` when due."""
-        if self.add(loss):
-            self.tick()
-
-    def add(self, loss: Any) -> bool:
-        """Add the next step's loss without ticking; return whether :meth:`tick` is due (a
-        host that runs its own hooks around the tick, as ``run.step()``)."""
         pending = self.pending
         pending.append(loss)
         if type(loss) is float and not loss <= self.alarm:
             self.alarmed()
-        return self.next_step + len(pending) - 1 >= self.wake
+        if self.next_step + len(pending) - 1 >= self.wake:
+            self.tick()
 
     def tick(self) -> None:
         """Called by the host once its step reaches :attr:`wake`: cut a chunk at the multiples
-        of :attr:`every` (or when a subscriber's ``due`` asks for one), then make the calls
-        asked for up to this step."""
+        of :attr:`every` (or at once after an alarm), then make the calls asked for up to this
+        step."""
         step = self.pushed_step
         if self._alarmed or step % self.every == 0:
             self._alarmed = False
