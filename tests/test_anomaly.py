@@ -111,6 +111,18 @@ def test_a_nan_in_the_first_steps_stops_the_run_on_its_own_step(nan_at: int) -> 
     assert (stops.kind, stops.step) == ("anomaly", nan_at)
 
 
+def test_a_nan_seen_in_the_loss_and_the_gradients_at_once_is_one_alert() -> None:
+    # Step 21 is a gradient measurement (every 10 steps while the explosion detector warms
+    # up): the NaN weight makes the loss and the gradient norm NaN on the same step, and on
+    # every step after; one episode, one alert.
+    monitor = AnomalyMonitor()
+    with pytest.warns(RuntimeWarning, match="loss of epoch 1 is nan"):
+        make_model().train(1, BATCHES, callbacks=[At(21, nan_weight), monitor])
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("nonfinite", 21)]
+    assert "loss is nan" in monitor.alerts[0].message
+    assert 21 in monitor._history["grad_step"]
+
+
 def test_terminate_on_nan_stops_the_run() -> None:
     stops = Stops()
     monitor = TerminateOnNaN()

@@ -233,7 +233,11 @@ def test_anomaly_monitor_stops_every_rank_at_the_same_step(tmp_path: Path) -> No
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert results[0]["kind"] == results[1]["kind"] == "anomaly"
     assert results[0]["step"] == results[1]["step"] <= 30 + 8
-    assert results[0]["alerts"][0][:2] == results[1]["alerts"][0][:2] == [30, "nonfinite"]
+    first = results[0]["alerts"][0][:2]
+    assert first == results[1]["alerts"][0][:2]
+    # the loss at step 30, or the gradients if a measurement (every 10 steps while the
+    # explosion detector warms up) comes before the losses' next read, at step 32
+    assert first in ([30, "nonfinite"], [31, "nonfinite"])
 
 
 def test_a_rank_that_raises_makes_the_other_fail_fast(tmp_path: Path) -> None:

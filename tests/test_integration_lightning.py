@@ -470,6 +470,9 @@ def test_two_processes_record_one_run_and_stop_together(tmp_path: Path) -> None:
         assert (run.name, run.status) == ("ddp", "anomaly")
         assert run.config["host"] == "lightning"
         alerts = [e for e in store.events(run.id) if e["kind"] == "alert"]
-        # Lightning's global_step 20 is stepwatch's step 21; the losses are read every 8 steps.
+        # Lightning's global_step 20 is stepwatch's step 21. The losses are read every 8 steps
+        # (the stop at step 24), unless the gradients are measured at step 21 (every 10 steps
+        # while the explosion detector warms up): the stop on that step. One alert either way.
         assert [(e["step"], e["data"]["kind"]) for e in alerts] == [(21, "nonfinite")]
-        assert store.metrics(run.id, values.STEP_LOSS)[0].tolist() == list(range(1, 25))
+        steps = store.metrics(run.id, values.STEP_LOSS)[0].tolist()
+        assert steps[-1] in (21, 24) and steps == list(range(1, steps[-1] + 1))

@@ -132,6 +132,28 @@ def test_saturation_in_a_real_run_and_no_hook_left_on_the_network() -> None:
     assert [a for a in quiet.alerts if a.kind == "saturation"] == []
 
 
+def test_a_sign_in_the_gradients_is_confirmed_on_the_next_steps_not_the_next_interval() -> None:
+    # Saturated from step 1: measured at step 1, then every 5 steps while the detector has
+    # seen it fewer than `patience` (3) times, so the run stops at step 11, not at 101.
+    model, data = _classifier(400.0, nn.Tanh)
+    monitor = sw.AnomalyMonitor(detectors=["saturation"], action="stop")
+    ended: list[int] = []
+    end = sw.LambdaCallback(on_train_end=lambda rc: ended.append(rc.cb_params.cur_step_num))
+    model.train(4, data, callbacks=[monitor, end])
+    assert [(a.kind, a.step) for a in monitor.alerts] == [("saturation", 1)]
+    assert list(monitor._history["grad_step"]) == [1, 6, 11] and ended == [11]
+    assert monitor.grad_every_n_steps == 50 and not monitor._saturation.confirming
+
+
+def test_gradients_are_measured_every_10_steps_until_the_explosion_detector_is_warm() -> None:
+    model, data = _classifier(1.0, nn.Tanh)
+    monitor = sw.AnomalyMonitor(detectors=["grad_explosion"], grad_every_n_steps=40)
+    model.train(12, data, callbacks=[monitor])
+    measured = list(monitor._history["grad_step"])
+    assert measured[:11] == [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 131]  # 10 norms, then 40
+    assert all(b - a == 40 for a, b in zip(measured[10:], measured[11:]))
+
+
 def test_not_learning_in_a_real_run_reads_the_classes_from_the_loss_and_outputs() -> None:
     model, data = _classifier(1.0, nn.ReLU)
     gen = torch.Generator().manual_seed(0)

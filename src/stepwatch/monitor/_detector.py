@@ -39,6 +39,11 @@ class Detector:
         self._active = False
         self._streak = 0
 
+    @property
+    def in_episode(self) -> bool:
+        """True while the condition of the last alert holds (until a value clears it)."""
+        return self._active
+
     def update_many(
         self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
     ) -> list[Alert]:

@@ -32,6 +32,12 @@ class _PerLayer(Detector):
         self._streak = self._first = 0
         self.names: Sequence[str] | None = None  # the layers' names, for messages
 
+    @property
+    def confirming(self) -> bool:
+        """True when the condition was seen on the last sample but not yet on ``patience`` in
+        a row: a host that samples every few steps can take the next samples sooner."""
+        return 0 < self._streak < self.patience
+
     def _layer(self, index: int) -> str:
         names = self.names
         return (

@@ -40,6 +40,12 @@ READ_EVERY = 8
 # Losses the host reads as they come (a CPU run of one process) are read in batches of this
 # many steps; a value that could fire a detector (the tap's alarm) is handed over at once.
 READ_EVERY_HOST = 64
+# Gradient measurements come this many steps apart (not grad_every_n_steps) while a gradient
+# detector has seen its condition but not for its whole patience yet, so an alert comes within
+# patience x this many steps of the first sign ...
+CONFIRM_EVERY = 5
+# ... and this many apart while the explosion detector gathers its first norms.
+WARM_EVERY = 10
 
 
 class Clock:
@@ -56,6 +62,7 @@ class Clock:
     _dying: DyingReLU | None
     _saturation: Saturation | None
     _grad_nonfinite: NonFinite | None
+    _nonfinite: NonFinite | None
     _scaled: bool
     _undone: int
     _grad_due: int
@@ -183,16 +190,28 @@ class Clock:
             self._grads_at(step + 1)
             return
         self._note_lr(step)
-        self._grads_at(step + self.grad_every_n_steps)
         if not measured.is_cpu or self._inflight or self._world > 1:
+            self._grads_at(step + self._gap())  # sooner once judged, if it shows a sign
             self._ship_grads(step, p.cur_epoch_num, measured)
             self._look_at(step)
             return
         # On the host, with nothing queued before it: judged now, without a look of its own.
         alerts = self._detect_grads(step, p.cur_epoch_num, measured, None)
+        self._grads_at(step + self._gap())
         if alerts:
             self._raise_all(alerts, self._run_context)
             self._set_alarm()
+
+    def _gap(self) -> int:
+        """Steps from the measurement just judged to the next."""
+        every = self.grad_every_n_steps
+        for detector in (self._vanishing, self._dying, self._saturation):
+            if detector is not None and detector.confirming:
+                return min(every, CONFIRM_EVERY)
+        explosion = self._explosion
+        if explosion is not None and explosion.alarm() is None:
+            return min(every, WARM_EVERY)
+        return every
 
     def _grads_now(self) -> None:
         """Trouble in the loss: look at the gradients at the next step."""
@@ -217,12 +236,12 @@ class Clock:
         history = self._history
         history["grad_step"].append(step)
         history["grad_norm"].append(total)
-        found = [
-            self._grad_nonfinite.update(step, total, epoch)
-            if self._grad_nonfinite is not None and not self._scaled
-            else None,
-            self._explosion.update(step, total, epoch) if self._explosion else None,
-        ]
+        nonfinite = None
+        if self._grad_nonfinite is not None and not self._scaled:
+            nonfinite = self._grad_nonfinite.update(step, total, epoch)
+            if self._nonfinite is not None and self._nonfinite.in_episode:
+                nonfinite = None  # the same episode, raised from the loss already
+        found = [nonfinite, self._explosion.update(step, total, epoch) if self._explosion else None]
         if math.isfinite(total):
             if self._vanishing is not None:
                 found.append(self._vanishing.update(step, norms, epoch))
@@ -230,6 +249,10 @@ class Clock:
                 found.append(self._dying.update(step, dead, epoch=epoch))
             if self._saturation is not None and saturated:
                 found.append(self._saturation.update(step, saturated, epoch))
+        if self._view is not None and self._grad_due > step:  # judged after the next was set
+            sooner = max(step + self._gap(), self._view.step + 1)
+            if sooner < self._grad_due:  # a sign to confirm
+                self._grads_at(sooner)
         return [a for a in found if a is not None]
 
     # -- the training state and the first outputs ---------------------------------------------

@@ -126,8 +126,10 @@ class AnomalyMonitor(Acting, Clock, Callback):
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
             samples is not seen).
         snapshot_dir: the folder for ``'snapshot'`` (default ``./anomaly_snapshots``).
-        grad_every_n_steps: optimizer steps between gradient measurements (default 25; the
-            gradient detectors' patience counts measurements).
+        grad_every_n_steps: optimizer steps between gradient measurements (default 50; the
+            gradient detectors' patience counts measurements, and while one of them has seen
+            its condition but not yet for its whole patience, they come every 5 steps; every
+            10 until the explosion detector has its first 10 norms).
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
             50; kept only when some kind's action is ``'rollback'``).
@@ -151,7 +153,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         every_n_steps: int = 1,
         snapshot_dir: str | Path | None = None,
         *,
-        grad_every_n_steps: int = 25,
+        grad_every_n_steps: int = 50,
         max_rollbacks: int = 3,
         rollback_every: int = 50,
         lr_factor: float = 0.5,
@@ -207,6 +209,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         layers = (self._explosion, self._vanishing, self._dying, self._saturation)
         self._measures_grads = any(layers)
         self._grad_nonfinite = NonFinite("gradient norm") if "nonfinite" in kinds else None
+        self._nonfinite = _first(self.detectors, NonFinite)  # the loss's
         every_action = [self._default_actions, *self._kind_actions.values()]
         self._keeps_state = any("rollback" in actions for actions in every_action)
         self._optimizer_actions = sorted(
@@ -472,7 +475,11 @@ class AnomalyMonitor(Acting, Clock, Callback):
         if self._chance is not None and self._chance.start is None:
             self._chance.see_start(losses)
         for detector in self._fast:
-            alerts.extend(detector.update_many(steps, losses, epoch))
+            found = detector.update_many(steps, losses, epoch)
+            grads = self._grad_nonfinite
+            if found and detector is self._nonfinite and grads is not None and grads.in_episode:
+                found = [a for a in found if a.kind != "nonfinite"]  # the gradients' said it
+            alerts.extend(found)
         if self._slow:
             waiting = self._slow_wait
             if waiting and waiting[-1][2] == epoch:
