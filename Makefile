@@ -62,6 +62,7 @@ $(VENV)/.bench-installed: $(STAMP)
 bench: $(VENV)/.bench-installed
 	$(PY) bench/import_time.py
 	$(PY) bench/overhead.py
+	$(PY) bench/interleaved.py
 	$(PY) bench/step_overhead.py
 	$(PY) bench/logging_throughput.py
 	$(PY) bench/memory.py

@@ -33,15 +33,16 @@ Configurations:
   times a second, during the timed epoch, as it does in a long run; its cost shows here.
 * ``g rec+anomaly`` - ``d`` plus ``AnomalyMonitor()`` at its defaults: every step's loss
   read in batches of 64 once the detectors are warm (8 before; a loss over the tap's alarm on
-  its own step) and run through the detectors, gradient statistics every 25 steps.
+  its own step) and run through the detectors, gradient statistics every 50 steps (every
+  10 for the first 10, and every 5 while a gradient detector confirms a sign).
 * ``h rec+progress`` - ``d`` plus ``ProgressBar`` writing to ``os.devnull`` (not a terminal:
   its plain-line mode; the bar itself needs a terminal).
 * ``i rec+plot`` - ``d`` plus ``PlotMonitor`` (every 30 s: within a timed epoch it only
   gathers values; the picture is drawn on its own thread).
 * ``j rec+anom+prog`` - ``Model.train`` with ``RunRecorder(every_n_steps=1)``,
   ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
-* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what the
-  gradient statistics every 25 steps cost, as ``j2 - j``.
+* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what half
+  as many gradient measurements would save, as ``j2 - j``.
 * ``j0 ...,no grads`` - ``j`` with every detector but those that read the gradients
   (explosion, vanishing, dying ReLU, saturation): all the gradient statistics cost, as
   ``j0 - j``.
@@ -266,15 +267,18 @@ _GRAD_KINDS = ("grad_explosion", "grad_vanishing", "dying_relu", "saturation")
 
 
 def _watchers(
-    db: str, sink: Any, grad_every: int = 25, grads: bool = True
+    db: str, sink: Any, grad_every: int | None = None, grads: bool = True
 ) -> list[stepwatch.Callback]:
-    """The monitors of the issue's goal: the store, the detectors and a progress display."""
+    """The monitors of the issue's goal: the store, the detectors and a progress display
+    (AnomalyMonitor at its defaults, unless ``grad_every`` is given)."""
     from stepwatch.monitor.detectors import DETECTORS
 
     kinds = None if grads else [k for k in DETECTORS if k not in (*_GRAD_KINDS, "threshold")]
     return [
         stepwatch.RunRecorder(db=db, every_n_steps=1),
-        stepwatch.AnomalyMonitor(detectors=kinds, grad_every_n_steps=grad_every),
+        stepwatch.AnomalyMonitor(detectors=kinds)
+        if grad_every is None
+        else stepwatch.AnomalyMonitor(detectors=kinds, grad_every_n_steps=grad_every),
         stepwatch.ProgressBar(file=sink),
     ]
 

@@ -5,6 +5,7 @@ healthy look-alikes at full size."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -151,7 +152,7 @@ def test_gradients_are_measured_every_10_steps_until_the_explosion_detector_is_w
     model.train(12, data, callbacks=[monitor])
     measured = list(monitor._history["grad_step"])
     assert measured[:11] == [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 131]  # 10 norms, then 40
-    assert all(b - a == 40 for a, b in zip(measured[10:], measured[11:]))
+    assert all(b - a == 40 for a, b in itertools.pairwise(measured[10:]))
 
 
 def test_not_learning_in_a_real_run_reads_the_classes_from_the_loss_and_outputs() -> None:

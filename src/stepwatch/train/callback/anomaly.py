@@ -69,10 +69,11 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
     every step's loss, from the run's loss tap, and gradient statistics measured on the device
-    every ``grad_every_n_steps`` optimizer steps, and at the next step after the loss raised
-    an alert (per-row norms with one op a layer, dead-unit fractions), read in the same
-    transfer. The monitor has no step hook: it looks at the run on the tap's step clock, so a
-    step with nothing due runs none of its code. Losses on an accelerator are moved to the
+    every ``grad_every_n_steps`` optimizer steps (every 5 while a gradient detector confirms
+    what it saw), and at the next step after the loss raised an alert (per-row norms with one
+    op a layer, dead-unit fractions), read in the same transfer. The monitor has no step
+    hook: it looks at the run on the tap's step clock, so a step with nothing due runs none
+    of its code. Losses on an accelerator are moved to the
     host in one transfer every 8 steps (a step never waits for the device); losses that the
     host reads as they come (a CPU run of one process) are read every 64 steps once the
     detectors are warm, and a value that could fire the NaN, spike, divergence or threshold
