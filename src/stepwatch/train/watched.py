@@ -160,6 +160,7 @@ class WatchedRun:
             world=world,
             grads=host.grads if host is not None else self._network is not None,
         )
+        self._tap = self.view.tap
         if host is not None:
             self.view.controls, self.view.config = host, host.config
         self.cb_params, self._cb_list = p, cb_list
@@ -232,13 +233,13 @@ class WatchedRun:
                 else "run.step() was called before the run started: enter it first with "
                 "'with stepwatch.watch(...) as run:'."
             )
-        if type(loss) is not torch.Tensor or loss.numel() != 1:
+        if type(loss) is not torch.Tensor or (loss.ndim and loss.numel() != 1):
             check_loss(
                 "run.step()", loss, "the step's loss tensor (the one backward() was called on)"
             )
         if not self._in_epoch:
             self._begin_epoch()
-        p, fns = self.cb_params, self._cb_list.fns
+        p = self.cb_params
         step = p.cur_step_num + 1
         self._epoch_steps += 1
         if self._epoch_steps > self._steps_per_epoch and not self._warned_long_epoch:
@@ -256,7 +257,7 @@ class WatchedRun:
         # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
         # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
         # (LossTap.push, inlined: this runs every step.)
-        tap = self.view.tap
+        tap = self._tap
         if type(loss) is torch.Tensor and loss.is_cpu:
             value = loss.item()
             tap.pending.append(value)
@@ -267,6 +268,7 @@ class WatchedRun:
         due = step >= tap.wake
         if not (due or self._cb_list.every_step):
             return  # nobody looks at this step: its other fields wait for the next look
+        fns = self._cb_list.fns
         begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
         p.train_dataset_element = batch
         p.loss_tensor = loss.detach()

@@ -3,8 +3,9 @@ tap's :meth:`~stepwatch.view.tap.LossTap.call_at`) instead of a step hook, so a 
 nothing due runs none of its code.
 
 It looks at a chunk of step losses at the chunk's last step (and, while a copy to the host is
-still on its way, at each next step), at the gradients every ``grad_every_n_steps`` optimizer
-steps (arming the activation hooks one step before), at the training state every
+still on its way, at each next step), at the gradients at the multiples of
+``grad_every_n_steps`` (arming the activation hooks one step before; sooner while a gradient
+detector confirms a sign or warms up), at the training state every
 ``rollback_every`` steps (the copies rollback goes back to), and once at the first step's
 outputs (the number of classes, for the detectors that judge against chance)."""
 
@@ -191,27 +192,29 @@ class Clock:
             return
         self._note_lr(step)
         if not measured.is_cpu or self._inflight or self._world > 1:
-            self._grads_at(step + self._gap())  # sooner once judged, if it shows a sign
+            self._grads_at(self._next_grads(step))  # sooner once judged, if it shows a sign
             self._ship_grads(step, p.cur_epoch_num, measured)
             self._look_at(step)
             return
         # On the host, with nothing queued before it: judged now, without a look of its own.
         alerts = self._detect_grads(step, p.cur_epoch_num, measured, None)
-        self._grads_at(step + self._gap())
+        self._grads_at(self._next_grads(step))
         if alerts:
             self._raise_all(alerts, self._run_context)
             self._set_alarm()
 
-    def _gap(self) -> int:
-        """Steps from the measurement just judged to the next."""
+    def _next_grads(self, step: int) -> int:
+        """The step of the measurement after the one at ``step`` (just judged): the next
+        multiple of ``grad_every_n_steps``, where the losses are read too (one wake of the
+        clock for both), or sooner while a detector confirms a sign or warms up."""
         every = self.grad_every_n_steps
         for detector in (self._vanishing, self._dying, self._saturation):
             if detector is not None and detector.confirming:
-                return min(every, CONFIRM_EVERY)
+                return step + min(every, CONFIRM_EVERY)
         explosion = self._explosion
         if explosion is not None and explosion.alarm() is None:
-            return min(every, WARM_EVERY)
-        return every
+            return step + min(every, WARM_EVERY)
+        return (step // every + 1) * every
 
     def _grads_now(self) -> None:
         """Trouble in the loss: look at the gradients at the next step."""
@@ -250,7 +253,7 @@ class Clock:
             if self._saturation is not None and saturated:
                 found.append(self._saturation.update(step, saturated, epoch))
         if self._view is not None and self._grad_due > step:  # judged after the next was set
-            sooner = max(step + self._gap(), self._view.step + 1)
+            sooner = max(self._next_grads(step), self._view.step + 1)
             if sooner < self._grad_due:  # a sign to confirm
                 self._grads_at(sooner)
         return [a for a in found if a is not None]

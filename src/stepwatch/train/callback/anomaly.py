@@ -69,11 +69,11 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
     every step's loss, from the run's loss tap, and gradient statistics measured on the device
-    every ``grad_every_n_steps`` optimizer steps (every 5 while a gradient detector confirms
-    what it saw), and at the next step after the loss raised an alert (per-row norms with one
-    op a layer, dead-unit fractions), read in the same transfer. The monitor has no step
-    hook: it looks at the run on the tap's step clock, so a step with nothing due runs none
-    of its code. Losses on an accelerator are moved to the
+    every ``grad_every_n_steps`` steps, on the steps where the losses are read (every 5 while
+    a gradient detector confirms what it saw), and at the next step after the loss raised an
+    alert (per-row norms with one op a layer, dead-unit fractions), read in the same
+    transfer. The monitor has no step hook: it looks at the run on the tap's step clock, so
+    a step with nothing due runs none of its code. Losses on an accelerator are moved to the
     host in one transfer every 8 steps (a step never waits for the device); losses that the
     host reads as they come (a CPU run of one process) are read every 64 steps once the
     detectors are warm, and a value that could fire the NaN, spike, divergence or threshold
@@ -127,10 +127,11 @@ class AnomalyMonitor(Acting, Clock, Callback):
         every_n_steps: look at every n-th step's loss (1: every step; a one-step spike between
             samples is not seen).
         snapshot_dir: the folder for ``'snapshot'`` (default ``./anomaly_snapshots``).
-        grad_every_n_steps: optimizer steps between gradient measurements (default 50; the
-            gradient detectors' patience counts measurements, and while one of them has seen
-            its condition but not yet for its whole patience, they come every 5 steps; every
-            10 until the explosion detector has its first 10 norms).
+        grad_every_n_steps: the gradients are measured at the multiples of this step
+            (default 64: the steps where the losses are read, so one wake of the run's clock
+            does both). The gradient detectors' patience counts measurements; while one of
+            them has seen its condition but not yet for its whole patience, they come every
+            5 steps, and every 10 until the explosion detector has its first 10 norms.
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
             50; kept only when some kind's action is ``'rollback'``).
@@ -154,7 +155,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         every_n_steps: int = 1,
         snapshot_dir: str | Path | None = None,
         *,
-        grad_every_n_steps: int = 50,
+        grad_every_n_steps: int = 64,
         max_rollbacks: int = 3,
         rollback_every: int = 50,
         lr_factor: float = 0.5,
