@@ -41,8 +41,8 @@ Configurations:
   gathers values; the picture is drawn on its own thread).
 * ``j rec+anom+prog`` - ``Model.train`` with ``RunRecorder(every_n_steps=1)``,
   ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
-* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what half
-  as many gradient measurements would save, as ``j2 - j``.
+* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what fewer
+  gradient measurements would save, as ``j2 - j``.
 * ``j0 ...,no grads`` - ``j`` with every detector but those that read the gradients
   (explosion, vanishing, dying ReLU, saturation): all the gradient statistics cost, as
   ``j0 - j``.

@@ -135,7 +135,7 @@ def test_saturation_in_a_real_run_and_no_hook_left_on_the_network() -> None:
 
 def test_a_sign_in_the_gradients_is_confirmed_on_the_next_steps_not_the_next_interval() -> None:
     # Saturated from step 1: measured at step 1, then every 5 steps while the detector has
-    # seen it fewer than `patience` (3) times, so the run stops at step 11, not at 101.
+    # seen it fewer than `patience` (3) times, so the run stops at step 11, not at 129.
     model, data = _classifier(400.0, nn.Tanh)
     monitor = sw.AnomalyMonitor(detectors=["saturation"], action="stop")
     ended: list[int] = []
