@@ -313,7 +313,7 @@ class WatchedRun:
                 "stepwatch.watch(...) as run:'."
             )
         # Every value is read before anything changes: a bad one leaves the epoch as it was.
-        numbers = {name: _number(name, value) for name, value in values.items()}
+        read = {name: _number(name, value) for name, value in values.items()}
         given = _number("loss", loss) if loss is not None else None
         mine = self._host is None  # a hand-written loop (a bridge's host numbers its own)
         if not self._in_epoch and mine:
@@ -329,7 +329,7 @@ class WatchedRun:
                             f"steps_per_epoch={self._steps_per_epoch}: step numbers within "
                             "the epoch are off. Pass watch(..., steps_per_epoch=len(loader)) "
                             "(batches, not samples).")  # fmt: skip
-        misnamed = sorted(n for n in numbers if n.startswith("val_"))
+        misnamed = sorted(n for n in read if n.startswith("val_"))
         if misnamed and mine:
             self._warn_once("val", f"{', '.join(map(repr, misnamed))} is recorded as a training "
                             f"value (train_{misnamed[0]}): name validation values eval_<name> "
@@ -341,7 +341,7 @@ class WatchedRun:
         elif total is not None and self._epoch_steps:
             train["loss"] = float(total) / self._epoch_steps
         evals: dict[str, Any] = {}
-        for name, number in numbers.items():
+        for name, number in read.items():
             if name.startswith(_EVAL_PREFIX):
                 key = name if name == "eval_loss" else name[len(_EVAL_PREFIX) :]
                 evals[key] = number

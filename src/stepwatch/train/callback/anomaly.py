@@ -476,9 +476,9 @@ class AnomalyMonitor(Acting, Clock, Callback):
         alerts: list[Alert] = []
         if self._chance is not None and self._chance.start is None:
             self._chance.see_start(losses)
+        grads = self._grad_nonfinite
         for detector in self._fast:
             found = detector.update_many(steps, losses, epoch)
-            grads = self._grad_nonfinite
             if found and detector is self._nonfinite and grads is not None and grads.in_episode:
                 found = [a for a in found if a.kind != "nonfinite"]  # the gradients' said it
             alerts.extend(found)
