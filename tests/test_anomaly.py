@@ -142,6 +142,18 @@ def test_snapshot_writes_a_resumable_checkpoint_and_the_recent_window(tmp_path: 
     record = json.loads(saved.with_suffix(".json").read_text())
     assert record["alert"]["kind"] == "spike" and record["checkpoint"] == saved.name
     assert record["window"]["step"][-1] >= 70 and len(record["window"]["loss"]) >= 70
+    steps = record["window"]["step"]
+    assert steps == list(range(steps[0], steps[0] + len(steps)))  # every step, in order
+
+
+def test_a_snapshot_keeps_the_last_window_losses_only(tmp_path: Any) -> None:
+    monitor = AnomalyMonitor(action={"spike": "snapshot"}, snapshot_dir=tmp_path, window=30)
+    make_model(lr=0.05).train(4, BATCHES, callbacks=[At(70, blow_up), monitor])
+    record = json.loads((tmp_path / "anomaly-spike-step70.json").read_text())
+    window = record["window"]
+    assert len(window["step"]) == len(window["loss"]) == 30
+    assert window["step"] == list(range(window["step"][-1] - 29, window["step"][-1] + 1))
+    assert window["step"][-1] >= 70
 
 
 def test_reduce_lr_and_a_callable_action() -> None:
@@ -271,3 +283,17 @@ def test_rollback_never_returns_to_a_copy_taken_at_or_after_the_onset() -> None:
     step = next(a.step for a in monitor.alerts if a.kind == "spike")
     at = int(first.split("rolled back to step ")[1].split()[0])
     assert at < step
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_gradients_of_a_double_or_bfloat16_network_are_measured(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    net = net.to(dtype)
+    data = [(torch.randn(8, 4, dtype=dtype), torch.randint(0, 2, (8,))) for _ in range(40)]
+    monitor = AnomalyMonitor()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sw.Model(net, torch.nn.CrossEntropyLoss(), opt).train(1, data, callbacks=[monitor])
+    norms = list(monitor._history["grad_norm"])
+    assert monitor.alerts == [] and len(norms) >= 4  # steps 1, 11, 21, 31 while warming up
+    assert all(math.isfinite(n) and n > 0 for n in norms)

@@ -184,6 +184,11 @@ class Spike(Detector):
         the episode going); None while warming up."""
         return None if len(self._level) < self.warmup else self._limit()
 
+    @property
+    def warming_up(self) -> bool:
+        """True until ``warmup`` values are in: the relative rule cannot fire yet."""
+        return len(self._level) < self.warmup
+
     def _refresh(self) -> None:
         # sorted() on ~100 floats is several times faster than numpy's median at this size
         self._since = 0

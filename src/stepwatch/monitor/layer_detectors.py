@@ -18,6 +18,8 @@ __all__ = ["DyingReLU", "GradVanishing", "Saturation"]
 
 def _per_layer(name: str, values: Any) -> list[float]:
     # plain floats: a network has tens of layers, where numpy's per-call cost dominates
+    if type(values) is list:
+        return [float(v) for v in values]
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, np.ndarray)):
         raise TypeError(f"'{name}' must be a sequence of floats, one per layer, got {_got(values)}")
     if isinstance(values, np.ndarray):

@@ -43,6 +43,8 @@ class Acting:
     _kind_actions: dict[str, tuple[Any, ...]]
     _default_actions: tuple[Any, ...]
     _history: dict[str, deque[Any]]
+    _loss_window: deque[tuple[Any, Any]]
+    window: int
     _undone: int
     _inflight: deque[tuple[Any, ...]]
     _block: list[Any]
@@ -81,9 +83,20 @@ class Acting:
         if action == "snapshot":
             if self._rank != 0:
                 return "snapshot written by rank 0"
-            window = {k: list(v) for k, v in self._history.items()}
+            window = self._window()
             return snapshot_outcome(self.snapshot_dir, alert, p, window)
         return self._rollback(alert, run_context)
+
+    def _window(self) -> dict[str, list[Any]]:
+        """The recent values a snapshot keeps: the last ``window`` step losses and gradient
+        norms, with their steps."""
+        steps: list[int] = []
+        losses: list[float] = []
+        for chunk_steps, chunk_losses in self._loss_window:
+            steps.extend(chunk_steps)
+            losses.extend(chunk_losses)
+        window = {"step": steps[-self.window :], "loss": losses[-self.window :]}
+        return window | {k: list(v) for k, v in self._history.items()}
 
     def _stop(self, alert: Alert, run_context: RunContext) -> str:
         if alert.kind in _DONE_KINDS:

@@ -112,22 +112,38 @@ class GradStats:
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
         self._matrix = [p.dim() == 2 and p.shape[0] > 0 for p in self.params]  # no reshape op
         self._starts = [0, *itertools.accumulate(self.rows)][:-1]
+        self._size = sum(self.rows)
+        self._buffer: torch.Tensor | None = None  # the measurement, reused
+        self._views: list[torch.Tensor] = []
 
     def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
-        """``[row norms of each layer..., extra...]`` on the device in one 1-D tensor, or
-        None when some layer has no gradient yet. ``extra``: single values (0-d tensors on
-        the same device) to pack with them."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads or len(grads) < len(self.params):
+        """``[row norms of each layer..., extra...]`` on the device in one 1-D float32 tensor,
+        or None when some layer has no gradient yet. ``extra``: single values (0-d tensors on
+        the same device) to pack with them.
+
+        The tensor is the same buffer at each call (written in place, one op a layer and no
+        concatenation): read or copy it before the next measurement."""
+        params = self.params
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or len(grads) < len(params):
             return None
+        device = grads[0].device
+        buffer, views = self._buffer, self._views
+        if buffer is None or buffer.device != device or len(buffer) != self._size + len(extra):
+            size = self._size + len(extra)
+            buffer = self._buffer = torch.empty(size, dtype=torch.float32, device=device)
+            views = self._views = [buffer[s : s + r] for s, r in zip(self._starts, self.rows)]
         norm = torch.linalg.vector_norm
-        parts = [
-            norm(g if matrix else g.reshape(r, -1), dim=1, dtype=torch.float32)
-            for g, r, matrix in zip(grads, self.rows, self._matrix)
-        ]
+        f32 = torch.float32
+        for g, r, matrix, out in zip(grads, self.rows, self._matrix, views):
+            g = g if matrix else g.reshape(r, -1)
+            if g.dtype is torch.float64:  # (norm's dtype= does not narrow)
+                out.copy_(norm(g, dim=1))
+            else:
+                norm(g, dim=1, dtype=f32, out=out)
         if extra:
-            parts.append(torch.stack(list(extra)).to(parts[0].device, parts[0].dtype))
-        return torch.cat(parts)
+            torch.stack(list(extra), out=buffer[self._size :])
+        return buffer
 
     def split(self, host: torch.Tensor) -> tuple[float, list[float], list[float], list[float]]:
         """``(global norm, norms, dead fractions, extra values)`` from a measurement on the

@@ -191,12 +191,15 @@ class Clock:
             self._grads_at(step + 1)
             return
         self._note_lr(step)
-        if not measured.is_cpu or self._inflight or self._world > 1:
+        if not measured.is_cpu or self._world > 1:
             self._grads_at(self._next_grads(step))  # sooner once judged, if it shows a sign
             self._ship_grads(step, p.cur_epoch_num, measured)
             self._look_at(step)
             return
-        # On the host, with nothing queued before it: judged now, without a look of its own.
+        # On the host in one process: judged now, after the losses queued before it (the
+        # chunk cut at this step), without a look of its own.
+        if self._inflight:
+            self._drain(self._run_context, block=False)
         alerts = self._detect_grads(step, p.cur_epoch_num, measured, None)
         self._grads_at(self._next_grads(step))
         if alerts:
@@ -212,7 +215,7 @@ class Clock:
             if detector is not None and detector.confirming:
                 return step + min(every, CONFIRM_EVERY)
         explosion = self._explosion
-        if explosion is not None and explosion.alarm() is None:
+        if explosion is not None and explosion.warming_up:
             return step + min(every, WARM_EVERY)
         return (step // every + 1) * every
 
@@ -228,6 +231,8 @@ class Clock:
             measured = measured.to("cpu", non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
+        elif measured.is_cpu:
+            measured = measured.clone()  # GradStats writes the next one into the same buffer
         self._inflight.append(("grad", step, epoch, measured, ready))
 
     def _detect_grads(self, step: int, epoch: int, host: torch.Tensor, ready: Any) -> list[Alert]:

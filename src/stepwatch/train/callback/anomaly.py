@@ -8,6 +8,7 @@ import logging
 import math
 import warnings
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -257,8 +258,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
         # ready); in a distributed run, the chunks of the block not yet reduced across ranks.
         self._inflight: deque[tuple[Any, ...]] = deque()
         self._block: list[Chunk] = []
-        # (steps, losses, epoch) not yet shown to the trend detectors, and how many steps
-        self._slow_wait: list[tuple[list[int], list[float], int]] = []
+        # [steps, losses, epoch] not yet shown to the trend detectors, and how many steps
+        self._slow_wait: list[list[Any]] = []
         self._slow_count = 0
         self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
@@ -268,8 +269,10 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._keeper = StateKeeper(self.rollback_every, keep) if self._keeps_state else None
         self._scaled = False
         self._rank, self._world = 0, 1
+        # the last chunks' (steps, losses), at least `window` values (a snapshot's window)
+        self._loss_window: deque[tuple[Sequence[int], Sequence[float]]] = deque(maxlen=self.window)
         self._history: dict[str, deque[Any]] = {
-            key: deque(maxlen=self.window) for key in ("step", "loss", "grad_step", "grad_norm")
+            key: deque(maxlen=self.window) for key in ("grad_step", "grad_norm")
         }
 
     # -- hooks ------------------------------------------------------------------------------
@@ -470,9 +473,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         if not steps:
             return []
         epoch = chunk.epoch
-        history = self._history
-        history["step"].extend(steps)
-        history["loss"].extend(losses)
+        self._loss_window.append((steps, losses))  # (shared, never modified: see Chunk)
         alerts: list[Alert] = []
         if self._chance is not None and self._chance.start is None:
             self._chance.see_start(losses)
@@ -484,11 +485,16 @@ class AnomalyMonitor(Acting, Clock, Callback):
             alerts.extend(found)
         if self._slow:
             waiting = self._slow_wait
-            if waiting and waiting[-1][2] == epoch:
-                waiting[-1][0].extend(steps)
-                waiting[-1][1].extend(losses)
+            last = waiting[-1] if waiting else None
+            if last is not None and last[2] == epoch:
+                before, by = last[0], steps.step
+                if type(before) is range and before.step == by and before.stop == steps.start:
+                    last[0] = range(before.start, steps.stop, by)  # (no int objects made)
+                else:
+                    last[0] = [*before, *steps]
+                last[1].extend(losses)
             else:
-                waiting.append(([*steps], [*losses], epoch))
+                waiting.append([steps, [*losses], epoch])
             self._slow_count += len(steps)
         if alerts:
             self._grads_now()  # trouble in the loss: look at the gradients at once
