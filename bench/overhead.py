@@ -32,8 +32,8 @@ Configurations:
 * ``d2 rec,flush0.1`` - ``d`` with ``flush_seconds=0.1``: the writer thread commits about ten
   times a second, during the timed epoch, as it does in a long run; its cost shows here.
 * ``g rec+anomaly`` - ``d`` plus ``AnomalyMonitor()`` at its defaults: every step's loss
-  read in batches of 64 once the detectors are warm (8 before; a loss over the tap's alarm on
-  its own step) and run through the detectors, gradient statistics every 64 steps (every
+  read in batches of 128 once the detectors are warm (8 before; a loss over the tap's alarm
+  on its own step) and run through the detectors, gradient statistics every 64 steps (every
   10 for the first 10, and every 5 while a gradient detector confirms a sign).
 * ``h rec+progress`` - ``d`` plus ``ProgressBar`` writing to ``os.devnull`` (not a terminal:
   its plain-line mode; the bar itself needs a terminal).

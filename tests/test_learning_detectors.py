@@ -165,3 +165,46 @@ def test_not_learning_in_a_real_run_reads_the_classes_from_the_loss_and_outputs(
     assert [a.kind for a in monitor.alerts] == ["not_learning"]
     # read every 64 steps (the trend detectors' cadence): the first look after its warm-up
     assert "not learning: after 320 steps" in monitor.alerts[0].message
+
+
+def test_recurring_batch_asks_for_its_next_time_on_its_step() -> None:
+    detector = RecurringBatch()
+    detector.steps_per_epoch = 100
+    rng = np.random.default_rng(2)
+    alarms, found = [], []
+    for epoch in range(1, 5):
+        values = (1.0 + 0.05 * rng.standard_normal(100)).tolist()
+        values[41] = 4.5
+        steps = range((epoch - 1) * 100 + 1, epoch * 100 + 1)
+        alarms.append(detector.alarm())
+        found += chunked_epoch(detector, steps, values, epoch)
+    # nothing to ask for until batch 42 was an outlier twice in a row; then its limit (3x the
+    # median), so a host reading batches of losses hands the third one over on its step
+    assert alarms[:2] == [math.inf, math.inf]
+    assert alarms[2] == pytest.approx(3.0, rel=0.05)
+    assert [a.step for a in found] == [242] and detector.alarm() == math.inf  # nothing left
+
+
+def chunked_epoch(detector: Any, steps: range, values: list[float], epoch: int) -> list[Any]:
+    found = []
+    for i in range(0, len(values), 8):
+        found += detector.update_many(steps[i : i + 8], values[i : i + 8], epoch)
+    return found
+
+
+def test_a_recurring_bad_batch_is_acted_on_at_its_own_step_in_a_real_run() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1024, 8)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    data = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 1024, 16)]  # 64 batches
+    data[40] = (data[40][0], (data[40][1] + 1) % 3)  # the same wrong labels every epoch
+    net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+    seen: list[tuple[str, int, int]] = []
+
+    def keep(alert: Any, run_context: Any) -> None:
+        seen.append((alert.kind, alert.step, run_context.original_args().cur_step_num))
+
+    model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.2))
+    model.train(6, data, callbacks=[sw.AnomalyMonitor(action=keep)])
+    # its third epoch in a row: step 3 x 64 + 41, acted on there, not at the next batch read
+    assert seen == [("recurring_batch", 233, 233)]

@@ -288,3 +288,11 @@ def test_a_loop_that_disagrees_with_what_it_told_watch_is_warned_once_each() -> 
     assert "with no run.step() since the last epoch's end" in shown[1]
     assert "epoch 2 is past watch(epochs=1)" in shown[2]
     assert run.cb_params.cur_epoch_num == 2
+    # an epoch longer than told (no epoch_end at all): warned once, at its first extra step
+    with pytest.warns(UserWarning) as seen, stepwatch.watch(net, opt, steps_per_epoch=3) as run:
+        for _ in range(7):
+            step(run)
+        assert run.step_num == 7
+    shown = [str(w.message) for w in seen]
+    assert len(shown) == 1 and "epoch 1 has more steps than steps_per_epoch=3" in shown[0]
+    assert run.cb_params.cur_step_num == 7  # the run's end sets it

@@ -327,6 +327,7 @@ class RecurringBatch(Detector):
         self._rate = 1.0  # the outlier rate of the last epoch
         # position -> (epochs in a row, last epoch, its steps, alerted)
         self._seen: dict[int, tuple[int, int, tuple[int, ...], bool]] = {}
+        self._armed = False  # some position fires if it is an outlier once more
 
     def _position(self, step: int) -> int:
         spe = self.steps_per_epoch
@@ -373,6 +374,17 @@ class RecurringBatch(Detector):
         self._count = self._steps = 0
         if epoch is not None:  # positions not an outlier last epoch: their episode ended
             self._seen = {p: v for p, v in self._seen.items() if v[1] >= epoch - 1}
+        self._armed = any(self._could_fire(v[0], v[3]) for v in self._seen.values())
+
+    def _could_fire(self, count: int, alerted: bool) -> bool:
+        """A position seen ``count`` epochs in a row fires at its next time."""
+        luck = (self.steps_per_epoch or self._steps or 1) * self._rate ** (count + 1)
+        return not alerted and count + 1 >= self.patience and luck < self.significance
+
+    def alarm(self) -> float | None:
+        """The outlier limit while some position would fire at its next time (so a host
+        that reads losses in batches hands that value over on its step), else +inf."""
+        return self._limit if self._armed else math.inf
 
     def _outlier(self, step: int, value: float, epoch: int | None) -> Alert | None:
         if epoch is None:
@@ -387,6 +399,10 @@ class RecurringBatch(Detector):
         luck = (self.steps_per_epoch or self._steps) * self._rate**count
         fire = count >= self.patience and luck < self.significance and not alerted
         self._seen[position] = (count, epoch, at, alerted or fire)
+        if fire:
+            self._armed = any(self._could_fire(v[0], v[3]) for v in self._seen.values())
+        elif self._could_fire(count, alerted):
+            self._armed = True
         if len(self._seen) > self._MAX_POSITIONS:
             del self._seen[next(iter(self._seen))]
         if not fire:

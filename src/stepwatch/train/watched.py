@@ -32,6 +32,8 @@ __all__ = ["WatchedRun", "watch"]
 logger = logging.getLogger("stepwatch")
 
 _EVAL_PREFIX = "eval_"
+_NEVER = 1 << 62  # a step no run reaches
+_DONE = _NEVER + 1  # the long-epoch warning was given
 
 
 class WatchedRun:
@@ -80,8 +82,10 @@ class WatchedRun:
         self.rollbacks: list[tuple[int, int]] = []
         self._state = "new"  # new -> running -> ended
         self._in_epoch = False
-        self._epoch_steps = 0
-        self._warned_long_epoch = False
+        self._step = 0  # the global step of the last run.step() (cb_params has it at looks)
+        self._epoch_first = 1  # the epoch's first step
+        self._long_after = _NEVER  # a step past the epoch's steps_per_epoch: warn once
+        self._every_step = False  # some step hook runs at every step
         self._warned: set[str] = set()  # the other warnings given once
         self._last_step_end = 0.0
         self._last_seen = 0  # the last step a hook or the tap's clock saw
@@ -111,7 +115,7 @@ class WatchedRun:
     @property
     def step_num(self) -> int:
         """The global step of the last :meth:`step` (0 before the first)."""
-        return int(self.cb_params.cur_step_num) if self._state != "new" else 0
+        return self._step if self._state != "new" else 0
 
     @property
     def epoch_num(self) -> int:
@@ -164,6 +168,7 @@ class WatchedRun:
         if host is not None:
             self.view.controls, self.view.config = host, host.config
         self.cb_params, self._cb_list = p, cb_list
+        self._step, self._every_step = initial_step, cb_list.every_step
         self.run_context = RunContext(p)
         self._stack.enter_context(cb_list.entered())
         self._state = "running"
@@ -189,7 +194,17 @@ class WatchedRun:
                 p.initial_epoch = before
             p.cur_epoch_num = before
 
+    @property
+    def _epoch_steps(self) -> int:
+        return self._step - self._epoch_first + 1 if self._in_epoch else 0
+
+    def _sync_step(self) -> None:
+        """cb_params' step fields as of the last run.step() (set there only at looks)."""
+        p = self.cb_params
+        p.cur_step_num = p.progress.trained_step = self._step
+
     def _begin_epoch(self) -> None:
+        self._sync_step()
         p = self.cb_params
         p.cur_epoch_num += 1
         if self._host is None and p.cur_epoch_num > p.initial_epoch + p.epoch_num:
@@ -199,7 +214,9 @@ class WatchedRun:
         p.loss = None
         p.__dict__.pop("eval_results", None)
         p.__dict__.pop("metrics", None)
-        self._in_epoch, self._epoch_steps = True, 0
+        self._in_epoch, self._epoch_first = True, self._step + 1
+        if self._long_after != _DONE:
+            self._long_after = self._step + self._steps_per_epoch
         self.view.tap.begin_epoch(p.cur_epoch_num, p.cur_step_num + 1)
         self._cb_list.call("on_train_epoch_begin", self.run_context)
         self._last_step_end = time.perf_counter()
@@ -211,10 +228,11 @@ class WatchedRun:
         Call it after ``optimizer.step()`` (and before the next ``zero_grad``, so gradient
         monitors can read the gradients). Nothing here waits for an accelerator: a plain CPU
         loss goes into the run's loss tap as a float (reading it waits for nothing), any other
-        as a detached tensor, read in batches. ``cb_params.cur_step_num`` counts every step;
-        with no step hook in the run that runs every step, the other per-step fields
-        (``loss_tensor``, ``outputs``, ``train_dataset_element``, ``step_time``) are set at the
-        steps a monitor looks at.
+        as a detached tensor, read in batches. :attr:`step_num` counts every step. With no
+        step hook in the run that runs every step, cb_params' per-step fields
+        (``cur_step_num``, ``loss_tensor``, ``outputs``, ``train_dataset_element``,
+        ``step_time``) are set at the steps a monitor looks at, as ``stepwatch.Model`` sets
+        them, and before every other hook.
 
         Args:
             loss: the step's loss, a single-value tensor (the one you called ``backward`` on).
@@ -239,13 +257,11 @@ class WatchedRun:
             )
         if not self._in_epoch:
             self._begin_epoch()
-        p = self.cb_params
-        step = p.cur_step_num + 1
-        self._epoch_steps += 1
-        if self._epoch_steps > self._steps_per_epoch and not self._warned_long_epoch:
-            self._warned_long_epoch = True
+        step = self._step = self._step + 1
+        if step > self._long_after:
+            self._long_after = _DONE
             warnings.warn(
-                f"epoch {p.cur_epoch_num} has more steps than steps_per_epoch="
+                f"epoch {self.cb_params.cur_epoch_num} has more steps than steps_per_epoch="
                 f"{self._steps_per_epoch}; step numbers within the epoch will be off (and "
                 "without run.epoch_end() every step counts as this epoch's). Pass "
                 "watch(..., steps_per_epoch=len(loader)) and call run.epoch_end() after each "
@@ -253,7 +269,6 @@ class WatchedRun:
                 UserWarning,
                 stacklevel=2,
             )
-        p.cur_step_num = p.progress.trained_step = step
         # A plain CPU loss goes into the tap as a float (reading it waits for nothing); one
         # above the tap's alarm (or NaN) wakes it now. Any other loss goes in unread.
         # (LossTap.push, inlined: this runs every step.)
@@ -266,8 +281,10 @@ class WatchedRun:
         else:
             tap.pending.append(loss.detach())
         due = step >= tap.wake
-        if not (due or self._cb_list.every_step):
-            return  # nobody looks at this step: its other fields wait for the next look
+        if not (due or self._every_step):
+            return  # nobody looks at this step: its fields wait for the next look
+        p = self.cb_params
+        p.cur_step_num = p.progress.trained_step = step
         fns = self._cb_list.fns
         begin, end = fns["on_train_step_begin"], fns["on_train_step_end"]
         p.train_dataset_element = batch
@@ -322,6 +339,7 @@ class WatchedRun:
                             "after each epoch.")  # fmt: skip
         if not self._in_epoch:
             self._begin_epoch()
+        self._sync_step()
         p = self.cb_params
         steps = self._epoch_steps
         if mine and 0 < steps < self._steps_per_epoch and not self.run_context.stop_requested:
@@ -366,6 +384,7 @@ class WatchedRun:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._state != "running":
             return
+        self._sync_step()  # for the hooks: the last step, not the last look's
         try:
             if exc_type is None:
                 if self._in_epoch and self._epoch_steps:

@@ -40,7 +40,7 @@ __all__ = ["READ_EVERY", "READ_EVERY_HOST", "Clock", "says_alarm"]
 READ_EVERY = 8
 # Losses the host reads as they come (a CPU run of one process) are read in batches of this
 # many steps; a value that could fire a detector (the tap's alarm) is handed over at once.
-READ_EVERY_HOST = 64
+READ_EVERY_HOST = 128
 # Gradient measurements come this many steps apart (not grad_every_n_steps) while a gradient
 # detector has seen its condition but not for its whole patience yet, so an alert comes within
 # patience x this many steps of the first sign ...
@@ -76,6 +76,8 @@ class Clock:
     _groups: Any
     _lr_changes: list[tuple[int, float]]
     _fast: list[Any]
+    _slow_alarms: list[Any]
+    _level: float
     _may_alarm: bool
     _host_losses: bool
     _alarming: bool
@@ -131,10 +133,14 @@ class Clock:
             self._alarming = ready
             view.tap.unsubscribe(self._take)
             view.tap.subscribe(READ_EVERY_HOST if ready else READ_EVERY, self._take)
+        level = min(levels, default=math.inf) if ready else math.inf  # else non-finite only
         if ready:
-            view.tap.set_alarm(self, min(levels, default=math.inf))
-        else:
-            view.tap.set_alarm(self, math.inf)  # non-finite values only
+            for detector in self._slow_alarms:  # a trend detector waiting for a value
+                wants = detector.alarm()
+                if wants is not None and wants < level:
+                    level = wants
+        self._level = level
+        view.tap.set_alarm(self, level)
 
     def _rates(self, steps: Sequence[int]) -> list[float] | None:
         """The learning rate at each of ``steps`` (from the recorded change points)."""

@@ -55,8 +55,9 @@ logger = logging.getLogger("stepwatch")
 _D = TypeVar("_D", bound=Detector)
 
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
-# The trend detectors are fed every this many steps (and at each epoch's end).
-SLOW_EVERY = 64
+# The trend detectors are fed every this many steps (and at each epoch's end, and with a value
+# over the tap's alarm).
+SLOW_EVERY = 128
 _SLOW_KINDS = frozenset({"plateau", "not_learning", "lr_negligible", "recurring_batch"})
 _LOSS_KINDS = frozenset(
     {"nonfinite", "spike", "divergence", "plateau", "not_learning", "lr_negligible",
@@ -70,17 +71,19 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
     every step's loss, from the run's loss tap, and gradient statistics measured on the device
-    every ``grad_every_n_steps`` steps, on the steps where the losses are read (every 5 while
+    every ``grad_every_n_steps`` steps, every other one on a step where the losses are read
+    (every 5 while
     a gradient detector confirms what it saw), and at the next step after the loss raised an
     alert (per-row norms with one op a layer, dead-unit fractions), read in the same
     transfer. The monitor has no step hook: it looks at the run on the tap's step clock, so
     a step with nothing due runs none of its code. Losses on an accelerator are moved to the
     host in one transfer every 8 steps (a step never waits for the device); losses that the
-    host reads as they come (a CPU run of one process) are read every 64 steps once the
+    host reads as they come (a CPU run of one process) are read every 128 steps once the
     detectors are warm, and a value that could fire the NaN, spike, divergence or threshold
     detectors is handed over on its own step (the tap's alarm: one comparison a step). The
     trend detectors (plateau, not learning, negligible learning rate, recurring batch) read
-    every 64 steps. Memory is bounded: every detector keeps a fixed window. Each detector
+    every 128 steps, and at once when a batch that was an outlier at the same place in the
+    last epochs could fire the recurring batch. Memory is bounded: every detector keeps a fixed window. Each detector
     fires **once per episode** of its condition. The kinds:
     ``nonfinite``, ``spike``, ``divergence``, ``plateau``, ``not_learning``, ``lr_negligible``,
     ``recurring_batch`` (on the step losses), ``grad_explosion``, ``grad_vanishing``,
@@ -196,6 +199,9 @@ class AnomalyMonitor(Acting, Clock, Callback):
         # steps, in one call: a plateau or a run that does not learn shows over hundreds.
         self._slow = [d for d in self._step_detectors if d.kind in _SLOW_KINDS]
         self._fast = [d for d in self._step_detectors if d.kind not in _SLOW_KINDS]
+        # the trend detectors that may ask to see a value on its step (the recurring batch's
+        # next time)
+        self._slow_alarms = [d for d in self._slow if type(d).alarm is not Detector.alarm]
         self._epoch_thresholds = [
             d for d in self.detectors if isinstance(d, Threshold) and d.name not in _STEP_NAMES
         ]
@@ -261,6 +267,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
         # [steps, losses, epoch] not yet shown to the trend detectors, and how many steps
         self._slow_wait: list[list[Any]] = []
         self._slow_count = 0
+        self._slow_now = False  # a value over the alarm came: the trend detectors see it now
+        self._level = math.inf  # the alarm level set on the tap
         self._undone = 0  # steps up to here were rolled back: their values are not read
         self._stats: GradStats | None = None
         self._acts: ActivationStats | None = None
@@ -437,7 +445,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
                 alerts = self._detect_grads(item[1], item[2], item[3], item[4])
             self._raise_all(alerts, run_context)
             changed = changed or bool(alerts)
-        if self._slow_count >= SLOW_EVERY or (block and self._slow_count):
+        if self._slow_count >= SLOW_EVERY or ((block or self._slow_now) and self._slow_count):
             self._raise_all(self._feed_slow(), run_context)
         if changed:
             self._set_alarm()  # after the actions: a rollback restarts what detectors watch
@@ -452,6 +460,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         """The trend detectors' share: every step loss since they last looked, in one call
         per epoch."""
         waiting, self._slow_wait, self._slow_count = self._slow_wait, [], 0
+        self._slow_now = False
         alerts: list[Alert] = []
         for steps, losses, epoch in waiting:
             lrs = self._rates(steps) if self._groups is not None else None
@@ -484,6 +493,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
                 found = [a for a in found if a.kind != "nonfinite"]  # the gradients' said it
             alerts.extend(found)
         if self._slow:
+            if not losses[-1] <= self._level:
+                self._slow_now = True  # the tap's alarm cut this chunk
             waiting = self._slow_wait
             last = waiting[-1] if waiting else None
             if last is not None and last[2] == epoch:
