@@ -95,7 +95,8 @@ class Acting:
         for chunk_steps, chunk_losses in self._loss_window:
             steps.extend(chunk_steps)
             losses.extend(chunk_losses)
-        window = {"step": steps[-self.window :], "loss": losses[-self.window :]}
+        window: dict[str, list[Any]] = {"step": steps[-self.window :]}
+        window["loss"] = losses[-self.window :]
         return window | {k: list(v) for k, v in self._history.items()}
 
     def _stop(self, alert: Alert, run_context: RunContext) -> str:

@@ -83,8 +83,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
     detectors is handed over on its own step (the tap's alarm: one comparison a step). The
     trend detectors (plateau, not learning, negligible learning rate, recurring batch) read
     every 128 steps, and at once when a batch that was an outlier at the same place in the
-    last epochs could fire the recurring batch. Memory is bounded: every detector keeps a fixed window. Each detector
-    fires **once per episode** of its condition. The kinds:
+    last epochs could fire the recurring batch. Memory is bounded: every detector keeps a
+    fixed window. Each detector fires **once per episode** of its condition. The kinds:
     ``nonfinite``, ``spike``, ``divergence``, ``plateau``, ``not_learning``, ``lr_negligible``,
     ``recurring_batch`` (on the step losses), ``grad_explosion``, ``grad_vanishing``,
     ``dying_relu``, ``saturation`` (on the sampled steps' gradients and activations),
