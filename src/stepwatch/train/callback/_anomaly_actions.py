@@ -115,6 +115,7 @@ class GradStats:
         self._size = sum(self.rows)
         self._buffer: torch.Tensor | None = None  # the measurement, reused
         self._views: list[torch.Tensor] = []
+        self._shape = (-2, 0)  # the buffer's device index and length
 
     def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
         """``[row norms of each layer..., extra...]`` on the device in one 1-D float32 tensor,
@@ -127,11 +128,12 @@ class GradStats:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or len(grads) < len(params):
             return None
-        device = grads[0].device
         buffer, views = self._buffer, self._views
-        if buffer is None or buffer.device != device or len(buffer) != self._size + len(extra):
-            size = self._size + len(extra)
-            buffer = self._buffer = torch.empty(size, dtype=torch.float32, device=device)
+        where, size = grads[0].get_device(), self._size + len(extra)  # (-1: the CPU)
+        if buffer is None or (where, size) != self._shape:
+            self._shape = (where, size)
+            buffer = torch.empty(size, dtype=torch.float32, device=grads[0].device)
+            self._buffer = buffer
             views = self._views = [buffer[s : s + r] for s, r in zip(self._starts, self.rows)]
         norm = torch.linalg.vector_norm
         f32 = torch.float32
