@@ -378,8 +378,12 @@ class RecurringBatch(Detector):
 
     def _could_fire(self, count: int, alerted: bool) -> bool:
         """A position seen ``count`` epochs in a row fires at its next time."""
-        luck = (self.steps_per_epoch or self._steps or 1) * self._rate ** (count + 1)
+        luck = self._luck(count + 1, self._steps or 1)
         return not alerted and count + 1 >= self.patience and luck < self.significance
+
+    def _luck(self, count: int, steps: int) -> float:
+        """How many positions would be outliers ``count`` epochs in a row by chance."""
+        return (self.steps_per_epoch or steps) * self._rate**count
 
     def alarm(self) -> float | None:
         """The outlier limit while some position would fire at its next time (so a host
@@ -396,7 +400,7 @@ class RecurringBatch(Detector):
             return None
         count = count + 1 if last == epoch - 1 else 1
         at = (*at, step)[-self.patience :]
-        luck = (self.steps_per_epoch or self._steps) * self._rate**count
+        luck = self._luck(count, self._steps)
         fire = count >= self.patience and luck < self.significance and not alerted
         self._seen[position] = (count, epoch, at, alerted or fire)
         if fire:
