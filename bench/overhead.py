@@ -33,7 +33,7 @@ Configurations:
   times a second, during the timed epoch, as it does in a long run; its cost shows here.
 * ``g rec+anomaly`` - ``d`` plus ``AnomalyMonitor()`` at its defaults: every step's loss
   read in batches of 128 once the detectors are warm (8 before; a loss over the tap's alarm
-  on its own step) and run through the detectors, gradient statistics every 64 steps (every
+  on its own step) and run through the detectors, gradient statistics every 128 steps (every
   10 for the first 10, and every 5 while a gradient detector confirms a sign).
 * ``h rec+progress`` - ``d`` plus ``ProgressBar`` writing to ``os.devnull`` (not a terminal:
   its plain-line mode; the bar itself needs a terminal).
@@ -41,7 +41,7 @@ Configurations:
   gathers values; the picture is drawn on its own thread).
 * ``j rec+anom+prog`` - ``Model.train`` with ``RunRecorder(every_n_steps=1)``,
   ``AnomalyMonitor()`` and ``ProgressBar`` (to ``os.devnull``) only.
-* ``j2 ...,grads/100`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=100)``: what fewer
+* ``j2 ...,grads/256`` - ``j`` with ``AnomalyMonitor(grad_every_n_steps=256)``: what fewer
   gradient measurements would save, as ``j2 - j``.
 * ``j0 ...,no grads`` - ``j`` with every detector but those that read the gradients
   (explosion, vanishing, dying ReLU, saturation): all the gradient statistics cost, as
@@ -235,8 +235,8 @@ def stepwatch_recorder_runner(
             callbacks.append(stepwatch.PlotMonitor(os.path.join(folder.name, "curves.png")))
         elif extra == "watchers":
             callbacks = _watchers(db, sink)
-        elif extra == "watchers, grads/100":
-            callbacks = _watchers(db, sink, grad_every=100)
+        elif extra == "watchers, grads/256":
+            callbacks = _watchers(db, sink, grad_every=256)
         elif extra == "watchers, no grads":
             callbacks = _watchers(db, sink, grads=False)
         model.train(1, work.batches, callbacks=[*callbacks, timer])
@@ -288,7 +288,7 @@ def stepwatch_watchers_runner(work: Workload) -> EpochRunner:
 
 
 def stepwatch_watchers_sparse_runner(work: Workload) -> EpochRunner:
-    return stepwatch_recorder_runner(work, extra="watchers, grads/100")
+    return stepwatch_recorder_runner(work, extra="watchers, grads/256")
 
 
 def stepwatch_watchers_no_grads_runner(work: Workload) -> EpochRunner:
@@ -463,7 +463,7 @@ CONFIGS = [
     Config("h rec+progress", "epoch hooks (callback)", stepwatch_progress_runner),
     Config("i rec+plot", "epoch hooks (callback)", stepwatch_plot_runner),
     Config("j rec+anom+prog", "epoch hooks (callback)", stepwatch_watchers_runner),
-    Config("j2 ...,grads/100", "epoch hooks (callback)", stepwatch_watchers_sparse_runner),
+    Config("j2 ...,grads/256", "epoch hooks (callback)", stepwatch_watchers_sparse_runner),
     Config("j0 ...,no grads", "epoch hooks (callback)", stepwatch_watchers_no_grads_runner),
     Config("k watch", "the loop itself", watch_runner),
     Config("e lightning", "epoch hooks (callback)", lightning_runner, "lightning.pytorch"),

@@ -143,7 +143,7 @@ def test_a_sign_in_the_gradients_is_confirmed_on_the_next_steps_not_the_next_int
     model.train(4, data, callbacks=[monitor, end])
     assert [(a.kind, a.step) for a in monitor.alerts] == [("saturation", 1)]
     assert list(monitor._history["grad_step"]) == [1, 6, 11] and ended == [11]
-    assert monitor.grad_every_n_steps == 64 and not monitor._saturation.confirming
+    assert monitor.grad_every_n_steps == 128 and not monitor._saturation.confirming
 
 
 def test_gradients_are_measured_every_10_steps_until_the_explosion_detector_is_warm() -> None:

@@ -14,7 +14,7 @@ epoch's loss sum on the device, and, when somebody reads values, one copy to the
 (non-blocking on CUDA, with an event that says when it has landed).
 
 The tap is also the run's step clock: a monitor that must look at the training state at some
-step (the gradients every 64 steps, a copy of the weights every 50, a progress line once a
+step (the gradients every 128 steps, a copy of the weights every 50, a progress line once a
 second) asks for it with :meth:`LossTap.call_at` instead of a step hook. The host compares its
 step with :attr:`LossTap.wake` once per step and calls :meth:`LossTap.tick` when it is reached,
 with ``cb_params`` filled for that step; a step with nothing due costs a list append and that

@@ -71,10 +71,9 @@ class AnomalyMonitor(Acting, Clock, Callback):
 
     The detectors (:mod:`stepwatch.monitor.detectors`) read values the loop already holds:
     every step's loss, from the run's loss tap, and gradient statistics measured on the device
-    every ``grad_every_n_steps`` steps, every other one on a step where the losses are read
-    (every 5 while
-    a gradient detector confirms what it saw), and at the next step after the loss raised an
-    alert (per-row norms with one op a layer, dead-unit fractions), read in the same
+    every ``grad_every_n_steps`` steps, on a CPU run at the steps where the losses are read
+    (every 5 while a gradient detector confirms what it saw), and at the next step after the
+    loss raised an alert (per-row norms with one op a layer, dead-unit fractions), read in the same
     transfer. The monitor has no step hook: it looks at the run on the tap's step clock, so
     a step with nothing due runs none of its code. Losses on an accelerator are moved to the
     host in one transfer every 8 steps (a step never waits for the device); losses that the
@@ -132,10 +131,11 @@ class AnomalyMonitor(Acting, Clock, Callback):
             samples is not seen).
         snapshot_dir: the folder for ``'snapshot'`` (default ``./anomaly_snapshots``).
         grad_every_n_steps: the gradients are measured at the multiples of this step
-            (default 64: the steps where the losses are read, so one wake of the run's clock
-            does both). The gradient detectors' patience counts measurements; while one of
-            them has seen its condition but not yet for its whole patience, they come every
-            5 steps, and every 10 until the explosion detector has its first 10 norms.
+            (default 128: on a CPU run, the steps where the losses are read, so one wake of
+            the run's clock does both). The gradient detectors' patience counts
+            measurements; while one of them has seen its condition but not yet for its whole
+            patience, they come every 5 steps, and every 10 until the explosion detector has
+            its first 10 norms.
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
             50; kept only when some kind's action is ``'rollback'``).
@@ -159,7 +159,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         every_n_steps: int = 1,
         snapshot_dir: str | Path | None = None,
         *,
-        grad_every_n_steps: int = 64,
+        grad_every_n_steps: int = 128,
         max_rollbacks: int = 3,
         rollback_every: int = 50,
         lr_factor: float = 0.5,
