@@ -63,6 +63,7 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/import_time.py
 	$(PY) bench/overhead.py
 	$(PY) bench/interleaved.py
+	$(PY) bench/wake_cost.py
 	$(PY) bench/step_overhead.py
 	$(PY) bench/logging_throughput.py
 	$(PY) bench/memory.py

@@ -25,10 +25,22 @@ alone (the pair's order alternates from round to round):
   (``logging_steps=1``), Keras's ``CSVLogger`` (it writes once per epoch) and its default
   progress bar (``verbose=1``, per step).
 
-Every epoch is timed from the host's own epoch hooks by a callback that does nothing else (the
-same in every variant), so trainer set-up is left out; standard output goes to ``os.devnull``.
-Round 0 is a warm-up. The table gives, per variant, the median of ``t_alone / t_variant``
+Every epoch is timed from the host's own epoch hooks by a callback (the same in every
+variant), so trainer set-up is left out; standard output goes to ``os.devnull``. Every
+``--block`` host steps that callback runs as many steps of the hand-written loop on a network
+of its own, and an epoch's score is its host time over those raw blocks' time, so the
+machine's drift between two epochs cancels (``--block 0``: wall time alone). Round 0 is a
+warm-up. The first table gives, per variant, the median of ``score_alone / score_variant``
 (with min..max) and the median extra time per step, also as a share of the host's own step.
+
+Fits of different variants still differ by more than the goal on this machine (the host
+alone against itself spreads over tens of percent), so a second table measures the bridge
+within its own runs: the time inside the bridge's own hooks per step (each hook timed; the
+epoch's first step, which holds the epoch-begin hook, left out), plus the slower host steps
+after its wakes (per position of a step in AnomalyMonitor's 128-step cycle, the host's median
+step time without the bridge's hooks over the quiet positions', summed; the same measure for
+the host alone, whose raw blocks slow their own next steps, subtracted). What it leaves out:
+the writer thread's work on the other core, except as it slows the positions it lands on.
 
 Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
 host's own logger.
@@ -45,6 +57,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import logging
 import os
 import statistics
@@ -54,7 +67,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is first imported
 
@@ -76,10 +89,99 @@ BATCH_SIZE, IN_FEATURES, HIDDEN, CLASSES = (
 LR, SEED = overhead.LR, overhead.SEED
 GOAL = 0.03  # the bridge's extra time, as a share of the host's own step
 
-EpochRunner = Callable[[], float]  # runs one epoch, returns its seconds
+# runs one epoch; returns its score (Clock.score) and the host's seconds
+EpochRunner = Callable[[], tuple[float, float]]
 Data = overhead.Workload
 make_data = overhead.make_workload
 make_mlp = overhead.make_mlp
+
+
+class Inside:
+    """The time spent inside a bridge's own hooks, and each epoch's step times, per variant:
+    the bridge's cost measured within the run (see :func:`direct_report`)."""
+
+    ns = 0  # nanoseconds inside the bridges' hooks so far
+    current: ClassVar[str | None] = None  # the variant now running
+    # variant -> [(step's nanoseconds, of them inside the bridge), ...] per epoch
+    steps: ClassVar[dict[str, list[list[tuple[int, int]]]]] = {}
+
+
+def timed(bridge: Any) -> Any:
+    """``bridge`` with its own hooks (those its class defines, and the Trainer bridge's forward
+    hook) timed into :attr:`Inside.ns`."""
+    clock = time.perf_counter_ns
+    for name in [*vars(type(bridge)), "_forward_hook"]:
+        if not (name.startswith("on_") or name == "_forward_hook"):
+            continue
+        hook = getattr(bridge, name, None)
+        if not callable(hook):
+            continue
+
+        def wrapper(*args: Any, _hook: Any = hook, **kwargs: Any) -> Any:
+            start = clock()
+            try:
+                return _hook(*args, **kwargs)
+            finally:
+                Inside.ns += clock() - start
+
+        setattr(bridge, name, wrapper)
+    return bridge
+
+
+class Clock:
+    """An epoch's time, with blocks of raw-loop steps run inside it.
+
+    Every ``block`` host steps (from the host's batch-end hook), ``block`` steps of the
+    hand-written loop run on a network and optimizer of their own; their time is taken out of
+    the host's. An epoch's score is its host time over its raw time: both are measured within
+    the same fraction of a second, so the machine's drift (tens of percent here from one
+    second to the next) cancels, as in ``bench/interleaved.py``. ``block=0``: no raw blocks,
+    the host's wall time alone.
+    """
+
+    block: ClassVar[int] = 0  # set by main()
+    batches: ClassVar[list[Any]] = []
+
+    def __init__(self) -> None:
+        self.seconds = self.raw = 0.0
+        self._steps = 0
+        self._start = 0.0
+        if Clock.block:
+            self._net = make_mlp()
+            self._opt = torch.optim.SGD(self._net.parameters(), lr=LR)
+            self._loss_fn = nn.CrossEntropyLoss()
+
+    def begin(self) -> None:
+        self.raw, self._steps = 0.0, 0
+        self._marks = [(time.perf_counter_ns(), Inside.ns)]
+        self._start = time.perf_counter()
+
+    def batch_end(self) -> None:
+        self._steps += 1
+        self._marks.append((time.perf_counter_ns(), Inside.ns))
+        if Clock.block and self._steps % Clock.block == 0:
+            net, opt, loss_fn = self._net, self._opt, self._loss_fn
+            start = time.perf_counter()
+            for x, y in Clock.batches[: Clock.block]:
+                opt.zero_grad()
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                opt.step()
+            self.raw += time.perf_counter() - start
+            self._marks[-1] = (time.perf_counter_ns(), Inside.ns)  # the step after: no raw time
+
+    def end(self) -> None:
+        self.seconds = time.perf_counter() - self._start - self.raw
+        if Inside.current is not None:
+            marks = self._marks
+            Inside.steps.setdefault(Inside.current, []).append(
+                [(t1 - t0, i1 - i0) for (t0, i0), (t1, i1) in itertools.pairwise(marks)]
+            )
+
+    def score(self) -> tuple[float, float]:
+        """The host's seconds over the raw blocks' seconds (the seconds alone without raw
+        blocks), and the host's seconds."""
+        return (self.seconds / self.raw if self.raw else self.seconds), self.seconds
 
 
 def stepwatch_callbacks(folder: str) -> list[Any]:
@@ -116,13 +218,17 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     class Timer(pl.Callback):
-        seconds = 0.0
+        def __init__(self) -> None:
+            self.clock = Clock()
 
         def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
-            self.start = time.perf_counter()
+            self.clock.begin()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.clock.batch_end()
 
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
-            self.seconds = time.perf_counter() - self.start
+            self.clock.end()
 
     module = Module()
     loader = torch.utils.data.DataLoader(
@@ -146,7 +252,7 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 default_root_dir=folder,
             )
             trainer.fit(module, train_dataloaders=loader)
-            return timer.seconds
+            return timer.clock.score()
 
         return run
 
@@ -154,9 +260,9 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
         "no-op callback": runner(lambda: [pl.Callback()], lambda: False),
-        "empty bridge": runner(lambda: [StepwatchCallback([])], lambda: False),
+        "empty bridge": runner(lambda: [timed(StepwatchCallback([]))], lambda: False),
         "stepwatch": runner(
-            lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False
+            lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))], lambda: False
         ),
         "CSVLogger": runner(list, lambda: CSVLogger(folder)),
         "TensorBoardLogger": runner(list, lambda: TensorBoardLogger(folder)),
@@ -191,13 +297,17 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
             return {"x": data.x[i], "labels": data.y[i]}
 
     class Timer(TrainerCallback):
-        seconds = 0.0
+        def __init__(self) -> None:
+            self.clock = Clock()
 
         def on_epoch_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.start = time.perf_counter()
+            self.clock.begin()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.clock.batch_end()
 
         def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.seconds = time.perf_counter() - self.start
+            self.clock.end()
 
     class HookOnly(TrainerCallback):
         """A no-op callback that also holds a no-op forward hook (with keyword arguments) on the
@@ -238,7 +348,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 model=net, args=args, train_dataset=rows, callbacks=[timer, *callbacks()]
             )
             trainer.train()
-            return timer.seconds
+            return timer.clock.score()
 
         return run
 
@@ -247,8 +357,8 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone'": runner(list, []),
         "no-op callback": runner(lambda: [TrainerCallback()], []),
         "no-op + fwd hook": runner(lambda: [HookOnly()], []),
-        "empty bridge": runner(lambda: [StepwatchCallback([])], []),
-        "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))], []),
+        "empty bridge": runner(lambda: [timed(StepwatchCallback([]))], []),
+        "stepwatch": runner(lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))], []),
         "tensorboard": runner(list, ["tensorboard"]),
     }
 
@@ -273,13 +383,22 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     )
 
     class Timer(keras.callbacks.Callback):
-        seconds = 0.0
+        def __init__(self) -> None:
+            super().__init__()
+            self.clock = Clock()
 
         def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-            self.start = time.perf_counter()
+            self.clock.begin()
 
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-            self.seconds = time.perf_counter() - self.start
+            self.clock.end()
+
+    class BlockTimer(Timer):
+        """The timer with raw blocks: it needs a batch-end hook, which makes Keras call
+        every batch hook in line (see ``no-op callback``)."""
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self.clock.batch_end()
 
     class BatchNoop(keras.callbacks.Callback):
         """A batch-end hook that does nothing: with one, Keras calls batch hooks in line
@@ -292,7 +411,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
     def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
         def run() -> float:
-            timer = Timer()
+            timer = BlockTimer() if Clock.block else Timer()
             model.fit(
                 x,
                 y,
@@ -302,7 +421,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 verbose=verbose,
                 callbacks=[timer, *callbacks()],
             )
-            return timer.seconds
+            return timer.clock.score()
 
         return run
 
@@ -311,8 +430,8 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "alone": runner(list),
         "alone'": runner(list),
         "no-op callback": runner(lambda: [BatchNoop()]),
-        "empty bridge": runner(lambda: [StepwatchCallback([])]),
-        "stepwatch": runner(lambda: [StepwatchCallback(stepwatch_callbacks(folder))]),
+        "empty bridge": runner(lambda: [timed(StepwatchCallback([]))]),
+        "stepwatch": runner(lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))]),
         "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
         "progress bar": runner(list, verbose=1),
     }
@@ -330,11 +449,12 @@ HOSTS: dict[str, Callable[[Data, str], dict[str, EpochRunner]]] = {
 class Pairs:
     host: str
     variant: str
-    seconds: list[float] = field(default_factory=list)
-    alone: list[float] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # Clock.score of each epoch
+    alone: list[float] = field(default_factory=list)  # ... and of its paired epoch alone
+    alone_seconds: list[float] = field(default_factory=list)
 
 
-def quiet(run: EpochRunner) -> float:
+def quiet(run: EpochRunner) -> tuple[float, float]:
     with (
         open(os.devnull, "w") as devnull,
         contextlib.redirect_stdout(devnull),
@@ -351,13 +471,22 @@ def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
         for index in range(rounds + 1):  # round 0: warm-up
             for p in pairs:
                 gc.collect()
+                Inside.current = None
+                run, name = variants[p.variant], f"{host}/{p.variant}" if index else None
                 if index % 2:
-                    t, t_alone = quiet(variants[p.variant]), quiet(alone)
+                    Inside.current = name
+                    t, _ = quiet(run)
+                    Inside.current = f"{host}/alone" if index else None
+                    t_alone, s_alone = quiet(alone)
                 else:
-                    t_alone, t = quiet(alone), quiet(variants[p.variant])
+                    Inside.current = f"{host}/alone" if index else None
+                    t_alone, s_alone = quiet(alone)
+                    Inside.current = name
+                    t, _ = quiet(run)
                 if index:
-                    p.seconds.append(t)
+                    p.scores.append(t)
                     p.alone.append(t_alone)
+                    p.alone_seconds.append(s_alone)
             label = "warm-up" if index == 0 else f"round {index}/{rounds}"
             print(f"  {host}: {label} done", file=sys.stderr, flush=True)
     return pairs
@@ -377,16 +506,15 @@ def report(results: list[Pairs], steps: int) -> None:
     verdicts = []
     by_host: dict[str, dict[str, float]] = {}
     for p in results:
-        ratios = [a / t for t, a in zip(p.seconds, p.alone)]
-        extra = [(t - a) / steps * 1e6 for t, a in zip(p.seconds, p.alone)]
-        step_us = statistics.median(p.alone) / steps * 1e6
-        share = statistics.median(extra) / step_us
+        ratios = [a / t for t, a in zip(p.scores, p.alone)]
+        step_us = statistics.median(p.alone_seconds) / steps * 1e6
+        share = statistics.median(t / a - 1 for t, a in zip(p.scores, p.alone))
         by_host.setdefault(p.host, {})[p.variant] = share
         ratio = statistics.median(ratios)
         spread = f"{ratio:.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
         print(
             f"{p.host:<13} {p.variant:<18} {step_us:>12.0f} {spread:>27} "
-            f"{statistics.median(extra):>14.1f} {share * 100:>7.1f}%"
+            f"{share * step_us:>14.1f} {share * 100:>7.1f}%"
         )
     print()
     for host, shares in by_host.items():
@@ -410,12 +538,62 @@ def report(results: list[Pairs], steps: int) -> None:
     print("\n".join(verdicts))
 
 
+_PERIOD = 128  # AnomalyMonitor's clock: the losses and gradients are read every 128 steps
+
+
+def after_steps(epochs: list[list[tuple[int, int]]]) -> float:
+    """The host's extra microseconds a step, out of the bridge's hooks, at the steps that
+    follow its wakes: per position of the step in its 128-step cycle, the median step time
+    (the bridge's hooks taken out) over the quiet positions' median, summed and spread."""
+    by_position: list[list[int]] = [[] for _ in range(_PERIOD)]
+    for epoch in epochs:
+        for index, (total, inside) in enumerate(epoch):
+            by_position[(index + 1) % _PERIOD].append(total - inside)
+    medians = [statistics.median(p) for p in by_position if p]
+    quiet = statistics.median(medians)
+    return sum(m - quiet for m in medians) / len(medians) / 1e3
+
+
+def direct_report(hosts: list[str]) -> None:
+    """The bridge's cost within the run: the time inside its hooks, and the slower host steps
+    after its wakes (over the same measure for the host alone, whose raw blocks leave their
+    own)."""
+    print()
+    print(f"{'host':<13} {'variant':<14} {'host us/step':>12} {'in hooks':>9} {'after':>7} "
+          f"{'total us':>9} {'share':>7}")  # fmt: skip
+    print("-" * 77)
+    for host in hosts:
+        alone = Inside.steps.get(f"{host}/alone")
+        if not alone:
+            continue
+        base = after_steps(alone)
+        step_us = statistics.median(t for epoch in alone for t, _ in epoch) / 1e3
+        for variant in ("empty bridge", "stepwatch"):
+            epochs = Inside.steps.get(f"{host}/{variant}")
+            if not epochs:
+                continue
+            # the first step of an epoch also holds the bridge's epoch-begin hook: left out
+            steps = [each for epoch in epochs for each in epoch[1:]]
+            inside = sum(i for _, i in steps) / len(steps) / 1e3
+            after = after_steps(epochs) - base
+            total = inside + after
+            print(f"{host:<13} {variant:<14} {step_us:>12.0f} {inside:>9.1f} {after:>7.1f} "
+                  f"{total:>9.1f} {total / step_us * 100:>6.2f}%")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=9, help="measured rounds (default 9)")
     parser.add_argument("--steps", type=int, default=400, help="steps per epoch (default 400)")
     parser.add_argument("--hosts", default=",".join(HOSTS), help="comma-separated hosts")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 100 steps")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=50,
+        help="raw-loop steps run after every this many host steps, to score each epoch "
+        "against (default 50; 0: the host's wall time alone)",
+    )
     args = parser.parse_args(argv)
     rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
@@ -426,14 +604,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_interop_threads(1)
     logging.getLogger("stepwatch").setLevel(logging.ERROR)
     data = make_data(steps)
+    if args.block < 0:
+        parser.error(f"--block must be >= 0, got {args.block}")
+    Clock.block, Clock.batches = args.block, list(reversed(data.batches))
     results: list[Pairs] = []
     for host in hosts:
         results += measure(host, data, rounds)
     print(
-        f"\n{steps} steps of {BATCH_SIZE} per epoch, {rounds} rounds (+1 warm-up), torch "
+        f"\n{steps} steps of {BATCH_SIZE} per epoch, {rounds} rounds (+1 warm-up), "
+        f"{f'raw blocks of {args.block} steps' if args.block else 'no raw blocks'}, torch "
         f"{torch.__version__}, 1 thread\n"
     )
     report(results, steps)
+    direct_report(hosts)
 
 
 if __name__ == "__main__":

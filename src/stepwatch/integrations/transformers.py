@@ -215,6 +215,12 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             self._fail(RuntimeError("the Trainer started training again before this run ended"))
         self._args, self._state, self._model = args, state, model
         self._optimizer, self._scheduler = optimizer, lr_scheduler
+        # An optimizer that may skip a step: read whether it did at each step. Accelerate's
+        # own without a GradScaler never does (its step_was_skipped stays False).
+        plain = type(optimizer).__name__ == "AcceleratedOptimizer" and (
+            getattr(optimizer, "scaler", None) is None
+        )
+        self._may_skip = hasattr(optimizer, "step_was_skipped") and not plain
         self._reset_step()
         self._in_step, self._unfinished = False, []
         self._evals, self._epoch_waits, self._epoch_done = {}, False, False
@@ -283,6 +289,32 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         run = bridge.run
         if run is None:
             return control
+        loss = self._current
+        if loss is not None and not self._losses and self._recorded is None and not loss.ndim:
+            # The common step: one micro-batch, whose forward gave a 0-d loss (the rest of
+            # this hook's bookkeeping is for accumulation and record_loss).
+            self._current = None
+            outputs, inputs = self._outputs, self._inputs
+            self._outputs = self._inputs = None  # (the outputs may be large: not kept)
+        else:
+            loss, outputs, inputs = self._step_loss(state)
+        if self._may_skip:  # fp16 on a GPU: accelerate's optimizer may skip an overflow
+            run.cb_params.optimizer_stepped = not self._optimizer.step_was_skipped
+        self._in_step = True
+        try:
+            run.step(loss, outputs, inputs)  # (Bridge.step, inlined: this runs every step)
+        except BaseException as exc:
+            bridge.end(exc)
+            self._release()
+            raise
+        finally:
+            self._in_step = False
+        if run.should_stop:
+            control.should_training_stop = True
+        return control
+
+    def _step_loss(self, state: TrainerState) -> tuple[torch.Tensor, Any, Any]:
+        """The optimizer step's loss (over its micro-batches), outputs and inputs."""
         self._close_micro_batch()
         losses, missing = self._losses, self._missing
         if missing or not losses:
@@ -300,21 +332,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         else:
             stacked = torch.stack([t.detach() for t in losses])
             loss = stacked.sum() if self._summed else stacked.mean()
-        run.cb_params.optimizer_stepped = not getattr(self._optimizer, "step_was_skipped", False)
         outputs, inputs = self._outputs, self._inputs
         self._reset_step()
-        self._in_step = True
-        try:
-            run.step(loss, outputs, inputs)  # (Bridge.step, inlined: this runs every step)
-        except BaseException as exc:
-            bridge.end(exc)
-            self._release()
-            raise
-        finally:
-            self._in_step = False
-        if run.should_stop:
-            control.should_training_stop = True
-        return control
+        return loss, outputs, inputs
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
