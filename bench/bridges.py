@@ -36,11 +36,15 @@ warm-up. The first table gives, per variant, the median of ``score_alone / score
 Fits of different variants still differ by more than the goal on this machine (the host
 alone against itself spreads over tens of percent), so a second table measures the bridge
 within its own runs: the time inside the bridge's own hooks per step (each hook timed; the
-epoch's first step, which holds the epoch-begin hook, left out), plus the slower host steps
-after its wakes (per position of a step in AnomalyMonitor's 128-step cycle, the host's median
-step time without the bridge's hooks over the quiet positions', summed; the same measure for
-the host alone, whose raw blocks slow their own next steps, subtracted). What it leaves out:
-the writer thread's work on the other core, except as it slows the positions it lands on.
+epoch's first step, which holds the epoch-begin hook, left out; per position of a step in
+AnomalyMonitor's 128-step cycle its median, averaged over the cycle, so a wake counts at its
+position and a rare pause that hits any code alike does not; the plain mean beside it), plus
+the slower host steps after its wakes (per position, the host's median step time without
+the bridge's hooks over the quiet positions', summed; the same measure for the host alone,
+whose raw blocks slow their own next steps, subtracted). What it leaves out: the recorder's
+writer thread, which holds the interpreter lock while it builds rows (in a host whose step
+is mostly Python, that time is taken from the training thread) except as it slows the
+positions it lands on, and garbage collections the bridge's allocations bring forward.
 
 Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
 host's own logger.
@@ -554,14 +558,30 @@ def after_steps(epochs: list[list[tuple[int, int]]]) -> float:
     return sum(m - quiet for m in medians) / len(medians) / 1e3
 
 
+def in_hooks(epochs: list[list[tuple[int, int]]]) -> tuple[float, float]:
+    """The microseconds a step inside the bridge's hooks: (the mean over the positions in the
+    128-step cycle of each position's median, the plain mean). The first counts a wake at its
+    position and leaves out rare pauses that hit any code alike (a garbage collection, the
+    OS); the second counts everything that happened inside the hooks. The epoch's first step,
+    which also holds the bridge's epoch-begin hook, is left out of both."""
+    by_position: list[list[int]] = [[] for _ in range(_PERIOD)]
+    for epoch in epochs:
+        for index, (_, inside) in enumerate(epoch):
+            if index:
+                by_position[(index + 1) % _PERIOD].append(inside)
+    medians = [statistics.median(p) for p in by_position if p]
+    every = [i for p in by_position for i in p]
+    return statistics.fmean(medians) / 1e3, statistics.fmean(every) / 1e3
+
+
 def direct_report(hosts: list[str]) -> None:
     """The bridge's cost within the run: the time inside its hooks, and the slower host steps
     after its wakes (over the same measure for the host alone, whose raw blocks leave their
     own)."""
     print()
     print(f"{'host':<13} {'variant':<14} {'host us/step':>12} {'in hooks':>9} {'after':>7} "
-          f"{'total us':>9} {'share':>7}")  # fmt: skip
-    print("-" * 77)
+          f"{'total us':>9} {'share':>7}   {'(hooks: mean)':>13} {'share':>7}")  # fmt: skip
+    print("-" * 101)
     for host in hosts:
         alone = Inside.steps.get(f"{host}/alone")
         if not alone:
@@ -572,13 +592,12 @@ def direct_report(hosts: list[str]) -> None:
             epochs = Inside.steps.get(f"{host}/{variant}")
             if not epochs:
                 continue
-            # the first step of an epoch also holds the bridge's epoch-begin hook: left out
-            steps = [each for epoch in epochs for each in epoch[1:]]
-            inside = sum(i for _, i in steps) / len(steps) / 1e3
+            inside, mean = in_hooks(epochs)
             after = after_steps(epochs) - base
-            total = inside + after
+            total, total_mean = inside + after, mean + after
             print(f"{host:<13} {variant:<14} {step_us:>12.0f} {inside:>9.1f} {after:>7.1f} "
-                  f"{total:>9.1f} {total / step_us * 100:>6.2f}%")  # fmt: skip
+                  f"{total:>9.1f} {total / step_us * 100:>6.2f}%   {mean:>13.1f} "
+                  f"{total_mean / step_us * 100:>6.2f}%")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
