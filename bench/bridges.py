@@ -35,16 +35,19 @@ warm-up. The first table gives, per variant, the median of ``score_alone / score
 
 Fits of different variants still differ by more than the goal on this machine (the host
 alone against itself spreads over tens of percent), so a second table measures the bridge
-within its own runs: the time inside the bridge's own hooks per step (each hook timed; the
-epoch's first step, which holds the epoch-begin hook, left out; per position of a step in
-AnomalyMonitor's 128-step cycle its median, averaged over the cycle, so a wake counts at its
-position and a rare pause that hits any code alike does not; the plain mean beside it), plus
-the slower host steps after its wakes (per position, the host's median step time without
-the bridge's hooks over the quiet positions', summed; the same measure for the host alone,
-whose raw blocks slow their own next steps, subtracted). What it leaves out: the recorder's
-writer thread, which holds the interpreter lock while it builds rows (in a host whose step
-is mostly Python, that time is taken from the training thread) except as it slows the
-positions it lands on, and garbage collections the bridge's allocations bring forward.
+within its own runs (the no-op callback's run too, its per-step hooks timed the same way):
+the time inside the bridge's own hooks per step (each hook timed; the epoch's first step,
+which holds the epoch-begin hook, left out; per position of a step in AnomalyMonitor's
+128-step cycle its median, averaged over the cycle, so a wake counts at its position and a
+rare pause that hits any code alike does not; the plain mean beside it), plus the slower
+host steps after its wakes (per position, the host's median step time without the bridge's
+hooks over the quiet positions', summed; the same measure for the host alone, whose raw
+blocks slow their own next steps, subtracted). Its last row per host is the bridge over the
+no-op callback: what the timing itself and the host's call of a hook cost (the host calls
+every hook on every callback, the bridge's or not) taken out. What it leaves out: the
+recorder's writer thread, which holds the interpreter lock while it builds rows (in a host
+whose step is mostly Python, that time is taken from the training thread) except as it slows
+the positions it lands on, and garbage collections the bridge's allocations bring forward.
 
 Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
 host's own logger.
@@ -114,7 +117,7 @@ def timed(bridge: Any) -> Any:
     """``bridge`` with its own hooks (those its class defines, and the Trainer bridge's forward
     hook) timed into :attr:`Inside.ns`."""
     clock = time.perf_counter_ns
-    for name in [*vars(type(bridge)), "_forward_hook"]:
+    for name in vars(type(bridge)):
         if not (name.startswith("on_") or name == "_forward_hook"):
             continue
         hook = getattr(bridge, name, None)
@@ -234,6 +237,13 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
             self.clock.end()
 
+    class Noop(pl.Callback):
+        """Does nothing; defines the bridge's per-step hook, which Lightning calls on every
+        callback anyway, so that it can be timed as the bridge's is."""
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            pass
+
     module = Module()
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(data.x, data.y), batch_size=BATCH_SIZE
@@ -263,7 +273,7 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
-        "no-op callback": runner(lambda: [pl.Callback()], lambda: False),
+        "no-op callback": runner(lambda: [timed(Noop())], lambda: False),
         "empty bridge": runner(lambda: [timed(StepwatchCallback([]))], lambda: False),
         "stepwatch": runner(
             lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))], lambda: False
@@ -313,6 +323,22 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             self.clock.end()
 
+    class Noop(TrainerCallback):
+        """Does nothing; defines the bridge's per-step hooks, which the Trainer calls on every
+        callback anyway, so that they can be timed as the bridge's are."""
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            pass
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            pass
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            pass
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            pass
+
     class HookOnly(TrainerCallback):
         """A no-op callback that also holds a no-op forward hook (with keyword arguments) on the
         model while it trains: the least any Trainer bridge pays, since the Trainer hands its
@@ -359,7 +385,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list, []),
         "alone'": runner(list, []),
-        "no-op callback": runner(lambda: [TrainerCallback()], []),
+        "no-op callback": runner(lambda: [timed(Noop())], []),
         "no-op + fwd hook": runner(lambda: [HookOnly()], []),
         "empty bridge": runner(lambda: [timed(StepwatchCallback([]))], []),
         "stepwatch": runner(lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))], []),
@@ -433,7 +459,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return {
         "alone": runner(list),
         "alone'": runner(list),
-        "no-op callback": runner(lambda: [BatchNoop()]),
+        "no-op callback": runner(lambda: [timed(BatchNoop())]),
         "empty bridge": runner(lambda: [timed(StepwatchCallback([]))]),
         "stepwatch": runner(lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))]),
         "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
@@ -588,7 +614,9 @@ def direct_report(hosts: list[str]) -> None:
             continue
         base = after_steps(alone)
         step_us = statistics.median(t for epoch in alone for t, _ in epoch) / 1e3
-        for variant in ("empty bridge", "stepwatch"):
+        noop = Inside.steps.get(f"{host}/no-op callback")
+        calls = in_hooks(noop) if noop else (0.0, 0.0)
+        for variant in ("no-op callback", "empty bridge", "stepwatch"):
             epochs = Inside.steps.get(f"{host}/{variant}")
             if not epochs:
                 continue
@@ -598,6 +626,13 @@ def direct_report(hosts: list[str]) -> None:
             print(f"{host:<13} {variant:<14} {step_us:>12.0f} {inside:>9.1f} {after:>7.1f} "
                   f"{total:>9.1f} {total / step_us * 100:>6.2f}%   {mean:>13.1f} "
                   f"{total_mean / step_us * 100:>6.2f}%")  # fmt: skip
+            if variant == "stepwatch" and noop:
+                over, over_mean = total - calls[0], total_mean - calls[1]
+                verdict = "met" if max(over, over_mean) <= GOAL * step_us else "NOT met"
+                print(f"{'':<13} {'  over no-op':<14} {'':>12} {inside - calls[0]:>9.1f} "
+                      f"{'':>7} {over:>9.1f} {over / step_us * 100:>6.2f}%   "
+                      f"{mean - calls[1]:>13.1f} {over_mean / step_us * 100:>6.2f}%   "
+                      f"(goal <= {GOAL * 100:.0f}%: {verdict})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
