@@ -250,7 +250,7 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     )
 
     def runner(callbacks: Callable[[], list[Any]], logger: Callable[[], Any]) -> EpochRunner:
-        def run() -> float:
+        def run() -> tuple[float, float]:
             timer = Timer()
             trainer = pl.Trainer(
                 max_epochs=1,
@@ -355,7 +355,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     net, rows = Net(), Rows()
 
     def runner(callbacks: Callable[[], list[Any]], report_to: list[str]) -> EpochRunner:
-        def run() -> float:
+        def run() -> tuple[float, float]:
             timer = Timer()
             args = TrainingArguments(
                 output_dir=folder,
@@ -440,7 +440,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     x, y = data.x.numpy(), data.y.numpy()
 
     def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
-        def run() -> float:
+        def run() -> tuple[float, float]:
             timer = BlockTimer() if Clock.block else Timer()
             model.fit(
                 x,
@@ -493,6 +493,12 @@ def quiet(run: EpochRunner) -> tuple[float, float]:
         return run()
 
 
+def one_epoch(label: str | None, run: EpochRunner) -> tuple[float, float]:
+    """Run one epoch quietly, its step times kept under ``label`` (None: not kept)."""
+    Inside.current = label
+    return quiet(run)
+
+
 def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as folder:
         variants = HOSTS[host](data, folder)
@@ -501,18 +507,18 @@ def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
         for index in range(rounds + 1):  # round 0: warm-up
             for p in pairs:
                 gc.collect()
-                Inside.current = None
-                run, name = variants[p.variant], f"{host}/{p.variant}" if index else None
+                mine = f"{host}/{p.variant}" if index else None  # (the warm-up is not kept)
+                theirs = f"{host}/alone" if index else None
                 if index % 2:
-                    Inside.current = name
-                    t, _ = quiet(run)
-                    Inside.current = f"{host}/alone" if index else None
-                    t_alone, s_alone = quiet(alone)
+                    (t, _), (t_alone, s_alone) = (
+                        one_epoch(mine, variants[p.variant]),
+                        one_epoch(theirs, alone),
+                    )
                 else:
-                    Inside.current = f"{host}/alone" if index else None
-                    t_alone, s_alone = quiet(alone)
-                    Inside.current = name
-                    t, _ = quiet(run)
+                    (t_alone, s_alone), (t, _) = (
+                        one_epoch(theirs, alone),
+                        one_epoch(mine, variants[p.variant]),
+                    )
                 if index:
                     p.scores.append(t)
                     p.alone.append(t_alone)
