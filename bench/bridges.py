@@ -22,8 +22,9 @@ alone (the pair's order alternates from round to round):
   AnomalyMonitor()])``, recording every step's loss into a temporary SQLite run store;
 * the host's own logger, recording every step where it can: Lightning's ``CSVLogger`` and
   ``TensorBoardLogger`` (``log_every_n_steps=1``), the Trainer's ``report_to="tensorboard"``
-  (``logging_steps=1``), Keras's ``CSVLogger`` (it writes once per epoch) and its default
-  progress bar (``verbose=1``, per step).
+  (``logging_steps=1``), Keras's ``TensorBoard`` callback (``update_freq=1``; it writes
+  through TensorFlow, which ``make bench`` installs, and is left out without it), its
+  ``CSVLogger`` (it writes once per epoch) and its default progress bar (``verbose=1``).
 
 Every epoch is timed from the host's own epoch hooks by a callback (the same in every
 variant), so trainer set-up is left out; standard output goes to ``os.devnull``. Every
@@ -31,7 +32,9 @@ variant), so trainer set-up is left out; standard output goes to ``os.devnull``.
 of its own, and an epoch's score is its host time over those raw blocks' time, so the
 machine's drift between two epochs cancels (``--block 0``: wall time alone). Round 0 is a
 warm-up. The first table gives, per variant, the median of ``score_alone / score_variant``
-(with min..max) and the median extra time per step, also as a share of the host's own step.
+(with min..max) and the median extra time per step, also as a share of the host's own step;
+and the median over rounds of the epoch's median step time over its paired epoch's alone
+(the timing of the bridge's hooks included), which leaves out rare pauses and the wakes.
 
 Fits of different variants still differ by more than the goal on this machine (the host
 alone against itself spreads over tens of percent), so a second table measures the bridge
@@ -42,9 +45,10 @@ which holds the epoch-begin hook, left out; per position of a step in AnomalyMon
 rare pause that hits any code alike does not; the plain mean beside it), plus the slower
 host steps after its wakes (per position, the host's median step time without the bridge's
 hooks over the quiet positions', summed; the same measure for the host alone, whose raw
-blocks slow their own next steps, subtracted). Its last row per host is the bridge over the
-no-op callback: what the timing itself and the host's call of a hook cost (the host calls
-every hook on every callback, the bridge's or not) taken out. What it leaves out: the
+blocks slow their own next steps, subtracted). Under the bridge's row comes the bridge over
+the no-op callback: what the timing itself and the host's call of a hook cost (the host calls
+every hook on every callback, the bridge's or not) taken out. Keras's TensorBoard callback,
+timed the same way, has a row too and is set against the bridge. What it leaves out: the
 recorder's writer thread, which holds the interpreter lock while it builds rows (in a host
 whose step is mostly Python, that time is taken from the training thread) except as it slows
 the positions it lands on, and garbage collections the bridge's allocations bring forward.
@@ -64,7 +68,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
 import logging
 import os
 import statistics
@@ -77,6 +80,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 os.environ.setdefault("KERAS_BACKEND", "torch")  # before keras is first imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # TensorFlow's start-up notices, if loaded
 
 import torch
 from torch import nn
@@ -160,12 +164,15 @@ class Clock:
 
     def begin(self) -> None:
         self.raw, self._steps = 0.0, 0
-        self._marks = [(time.perf_counter_ns(), Inside.ns)]
+        self._steps_ns: list[tuple[int, int]] = []  # each step's (ns, of them inside hooks)
+        self._mark = (time.perf_counter_ns(), Inside.ns)
         self._start = time.perf_counter()
 
     def batch_end(self) -> None:
         self._steps += 1
-        self._marks.append((time.perf_counter_ns(), Inside.ns))
+        now, inside = time.perf_counter_ns(), Inside.ns
+        self._steps_ns.append((now - self._mark[0], inside - self._mark[1]))
+        self._mark = (now, inside)
         if Clock.block and self._steps % Clock.block == 0:
             net, opt, loss_fn = self._net, self._opt, self._loss_fn
             start = time.perf_counter()
@@ -175,15 +182,12 @@ class Clock:
                 loss.backward()
                 opt.step()
             self.raw += time.perf_counter() - start
-            self._marks[-1] = (time.perf_counter_ns(), Inside.ns)  # the step after: no raw time
+            self._mark = (time.perf_counter_ns(), Inside.ns)  # the next step starts here
 
     def end(self) -> None:
         self.seconds = time.perf_counter() - self._start - self.raw
         if Inside.current is not None:
-            marks = self._marks
-            Inside.steps.setdefault(Inside.current, []).append(
-                [(t1 - t0, i1 - i0) for (t0, i0), (t1, i1) in itertools.pairwise(marks)]
-            )
+            Inside.steps.setdefault(Inside.current, []).append(self._steps_ns)
 
     def score(self) -> tuple[float, float]:
         """The host's seconds over the raw blocks' seconds (the seconds alone without raw
@@ -456,7 +460,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         return run
 
     csv = os.path.join(folder, "keras.csv")
-    return {
+    variants = {
         "alone": runner(list),
         "alone'": runner(list),
         "no-op callback": runner(lambda: [timed(BatchNoop())]),
@@ -465,6 +469,22 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         "CSVLogger": runner(lambda: [keras.callbacks.CSVLogger(csv)]),
         "progress bar": runner(list, verbose=1),
     }
+    try:  # Keras's TensorBoard callback writes its events through TensorFlow's summary ops
+        import tensorflow  # noqa: F401
+    except ImportError:
+        print(
+            "  keras: its TensorBoard callback needs tensorflow (`make bench` installs it): "
+            "left out",
+            file=sys.stderr,
+        )
+    else:
+        # Every step's loss as an event (update_freq=1), as the bridge records every step.
+        # Its hooks are timed as the bridge's are, for the second table.
+        events = os.path.join(folder, "keras-tensorboard")
+        variants["TensorBoard"] = runner(
+            lambda: [timed(keras.callbacks.TensorBoard(events, update_freq=1))]
+        )
+    return variants
 
 
 HOSTS: dict[str, Callable[[Data, str], dict[str, EpochRunner]]] = {
@@ -482,6 +502,8 @@ class Pairs:
     scores: list[float] = field(default_factory=list)  # Clock.score of each epoch
     alone: list[float] = field(default_factory=list)  # ... and of its paired epoch alone
     alone_seconds: list[float] = field(default_factory=list)
+    # the epoch's median step over its paired epoch alone's, in microseconds
+    median_extra: list[float] = field(default_factory=list)
 
 
 def quiet(run: EpochRunner) -> tuple[float, float]:
@@ -497,6 +519,12 @@ def one_epoch(label: str | None, run: EpochRunner) -> tuple[float, float]:
     """Run one epoch quietly, its step times kept under ``label`` (None: not kept)."""
     Inside.current = label
     return quiet(run)
+
+
+def median_step(label: str) -> float:
+    """The median step, in microseconds, of the newest epoch kept under ``label`` (its first
+    step, which holds the epoch's start, left out)."""
+    return statistics.median(t for t, _ in Inside.steps[label][-1][1:]) / 1e3
 
 
 def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
@@ -523,6 +551,7 @@ def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
                     p.scores.append(t)
                     p.alone.append(t_alone)
                     p.alone_seconds.append(s_alone)
+                    p.median_extra.append(median_step(mine) - median_step(theirs))
             label = "warm-up" if index == 0 else f"round {index}/{rounds}"
             print(f"  {host}: {label} done", file=sys.stderr, flush=True)
     return pairs
@@ -535,7 +564,7 @@ _NOT_LOGGERS = ("stepwatch", "alone'", "no-op callback", "no-op + fwd hook", "em
 def report(results: list[Pairs], steps: int) -> None:
     header = (
         f"{'host':<13} {'variant':<18} {'host us/step':>12} {'ratio to alone (min..max)':>27} "
-        f"{'extra us/step':>14} {'extra %':>8}"
+        f"{'extra us/step':>14} {'extra %':>8} {'median step, extra':>19}"
     )
     print(header)
     print("-" * len(header))
@@ -548,9 +577,11 @@ def report(results: list[Pairs], steps: int) -> None:
         by_host.setdefault(p.host, {})[p.variant] = share
         ratio = statistics.median(ratios)
         spread = f"{ratio:.3f} ({min(ratios):.3f}..{max(ratios):.3f})"
+        extra = statistics.median(p.median_extra)
+        by_median = f"{extra:+.1f} us {extra / step_us * 100:+.1f}%"
         print(
             f"{p.host:<13} {p.variant:<18} {step_us:>12.0f} {spread:>27} "
-            f"{share * step_us:>14.1f} {share * 100:>7.1f}%"
+            f"{share * step_us:>14.1f} {share * 100:>7.1f}% {by_median:>19}"
         )
     print()
     for host, shares in by_host.items():
@@ -573,6 +604,10 @@ def report(results: list[Pairs], steps: int) -> None:
         )
     print("\n".join(verdicts))
 
+
+# The host's loggers that are callbacks, their hooks timed as the bridge's are (the second
+# table gives them a row): Keras's TensorBoard callback.
+_TIMED_LOGGERS = ("TensorBoard",)
 
 _PERIOD = 128  # AnomalyMonitor's clock: the losses and gradients are read every 128 steps
 
@@ -622,13 +657,15 @@ def direct_report(hosts: list[str]) -> None:
         step_us = statistics.median(t for epoch in alone for t, _ in epoch) / 1e3
         noop = Inside.steps.get(f"{host}/no-op callback")
         calls = in_hooks(noop) if noop else (0.0, 0.0)
-        for variant in ("no-op callback", "empty bridge", "stepwatch"):
+        totals: dict[str, float] = {}
+        for variant in ("no-op callback", "empty bridge", "stepwatch", *_TIMED_LOGGERS):
             epochs = Inside.steps.get(f"{host}/{variant}")
             if not epochs:
                 continue
             inside, mean = in_hooks(epochs)
             after = after_steps(epochs) - base
             total, total_mean = inside + after, mean + after
+            totals[variant] = max(total, total_mean)
             print(f"{host:<13} {variant:<14} {step_us:>12.0f} {inside:>9.1f} {after:>7.1f} "
                   f"{total:>9.1f} {total / step_us * 100:>6.2f}%   {mean:>13.1f} "
                   f"{total_mean / step_us * 100:>6.2f}%")  # fmt: skip
@@ -639,6 +676,12 @@ def direct_report(hosts: list[str]) -> None:
                       f"{'':>7} {over:>9.1f} {over / step_us * 100:>6.2f}%   "
                       f"{mean - calls[1]:>13.1f} {over_mean / step_us * 100:>6.2f}%   "
                       f"(goal <= {GOAL * 100:.0f}%: {verdict})")  # fmt: skip
+        for logger in _TIMED_LOGGERS:
+            if "stepwatch" in totals and logger in totals:
+                bridge, theirs = totals["stepwatch"], totals[logger]
+                print(f"{'':<13} the bridge {bridge:.1f} us/step against {logger}'s "
+                      f"{theirs:.1f} (each the larger of its two totals): "
+                      f"{'cheaper' if bridge < theirs else 'NOT cheaper'}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
