@@ -26,15 +26,19 @@ alone (the pair's order alternates from round to round):
   through TensorFlow, which ``make bench`` installs, and is left out without it), its
   ``CSVLogger`` (it writes once per epoch) and its default progress bar (``verbose=1``).
 
-Every epoch is timed from the host's own epoch hooks by a callback (the same in every
-variant), so trainer set-up is left out; standard output goes to ``os.devnull``. Every
-``--block`` host steps that callback runs as many steps of the hand-written loop on a network
-of its own, and an epoch's score is its host time over those raw blocks' time, so the
-machine's drift between two epochs cancels (``--block 0``: wall time alone). Round 0 is a
-warm-up. The first table gives, per variant, the median of ``score_alone / score_variant``
-(with min..max) and the median extra time per step, also as a share of the host's own step;
-and the median over rounds of the epoch's median step time over its paired epoch's alone
-(the timing of the bridge's hooks included), which leaves out rare pauses and the wakes.
+Every epoch is timed from the host's own hooks by a callback (the same in every variant),
+so trainer set-up is left out, and from its ``--skip``-th step on (default 128): each epoch is
+a fit of its own, a new run, and a run's first steps are a one-off that a long run does not
+pay per step (AnomalyMonitor warms up over them: it reads the losses every 8 steps and
+measures the gradients every 10 until step 104); ``--skip 0`` times them too. Standard
+output goes to ``os.devnull``. Every ``--block`` timed host steps that callback runs as many
+steps of the hand-written loop on a network of its own, and an epoch's score is its host
+time over those raw blocks' time, so the machine's drift between two epochs cancels
+(``--block 0``: wall time alone). Round 0 is a warm-up. The first table gives, per variant,
+the median of ``score_alone / score_variant`` (with min..max) and the median extra time per
+step, also as a share of the host's own step; and the median over rounds of the epoch's
+median step time over its paired epoch's alone (the timing of the bridge's hooks included),
+which leaves out rare pauses and the wakes.
 
 Fits of different variants still differ by more than the goal on this machine (the host
 alone against itself spreads over tens of percent), so a second table measures the bridge
@@ -58,7 +62,7 @@ host's own logger.
 
 Usage::
 
-    python bench/bridges.py                 # 9 rounds of 400 steps per host
+    python bench/bridges.py                 # 9 rounds of 400 steps (after 128) per host
     python bench/bridges.py --quick         # 2 rounds of 100 steps: a smoke check
     python bench/bridges.py --hosts keras --rounds 15
 """
@@ -152,6 +156,7 @@ class Clock:
 
     block: ClassVar[int] = 0  # set by main()
     batches: ClassVar[list[Any]] = []
+    skip: ClassVar[int] = 0  # the fit's first steps, not timed (set by main())
 
     def __init__(self) -> None:
         self.seconds = self.raw = 0.0
@@ -163,12 +168,21 @@ class Clock:
             self._loss_fn = nn.CrossEntropyLoss()
 
     def begin(self) -> None:
+        self._seen = 0
+        self._restart()
+
+    def _restart(self) -> None:
         self.raw, self._steps = 0.0, 0
         self._steps_ns: list[tuple[int, int]] = []  # each step's (ns, of them inside hooks)
         self._mark = (time.perf_counter_ns(), Inside.ns)
         self._start = time.perf_counter()
 
     def batch_end(self) -> None:
+        self._seen += 1
+        if self._seen <= Clock.skip:
+            if self._seen == Clock.skip:
+                self._restart()  # the run's start is over: time from here
+            return
         self._steps += 1
         now, inside = time.perf_counter_ns(), Inside.ns
         self._steps_ns.append((now - self._mark[0], inside - self._mark[1]))
@@ -445,7 +459,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
     def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
         def run() -> tuple[float, float]:
-            timer = BlockTimer() if Clock.block else Timer()
+            timer = BlockTimer() if Clock.block or Clock.skip else Timer()
             model.fit(
                 x,
                 y,
@@ -697,6 +711,14 @@ def main(argv: list[str] | None = None) -> None:
         help="raw-loop steps run after every this many host steps, to score each epoch "
         "against (default 50; 0: the host's wall time alone)",
     )
+    parser.add_argument(
+        "--skip",
+        type=int,
+        default=128,
+        help="steps at the start of each fit run before its timing starts (default 128: "
+        "AnomalyMonitor's first 104 steps read the losses every 8 steps and the gradients "
+        "every 10; 0: the fit's start timed too)",
+    )
     args = parser.parse_args(argv)
     rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
@@ -706,15 +728,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     logging.getLogger("stepwatch").setLevel(logging.ERROR)
-    data = make_data(steps)
+    if args.skip < 0:
+        parser.error(f"--skip must be >= 0, got {args.skip}")
+    data = make_data(args.skip + steps)
     if args.block < 0:
         parser.error(f"--block must be >= 0, got {args.block}")
     Clock.block, Clock.batches = args.block, list(reversed(data.batches))
+    Clock.skip = args.skip
     results: list[Pairs] = []
     for host in hosts:
         results += measure(host, data, rounds)
     print(
-        f"\n{steps} steps of {BATCH_SIZE} per epoch, {rounds} rounds (+1 warm-up), "
+        f"\n{steps} steps of {BATCH_SIZE} per epoch timed after the first {args.skip}, "
+        f"{rounds} rounds (+1 warm-up), "
         f"{f'raw blocks of {args.block} steps' if args.block else 'no raw blocks'}, torch "
         f"{torch.__version__}, 1 thread\n"
     )
