@@ -43,17 +43,17 @@ which leaves out rare pauses and the wakes.
 Fits of different variants still differ by more than the goal on this machine (the host
 alone against itself spreads over tens of percent), so a second table measures the bridge
 within its own runs (the no-op callback's run too, its per-step hooks timed the same way):
-the time inside the bridge's own hooks per step (each hook timed; the epoch's first step,
-which holds the epoch-begin hook, left out; per position of a step in AnomalyMonitor's
-128-step cycle its median, averaged over the cycle, so a wake counts at its position and a
-rare pause that hits any code alike does not; the plain mean beside it), plus the slower
-host steps after its wakes (per position, the host's median step time without the bridge's
-hooks over the quiet positions', summed; the same measure for the host alone, whose raw
-blocks slow their own next steps, subtracted). Under the bridge's row comes the bridge over
-the no-op callback: what the timing itself and the host's call of a hook cost (the host calls
-every hook on every callback, the bridge's or not) taken out. Keras's TensorBoard callback,
-timed the same way, has a row too and is set against the bridge. What it leaves out: the
-recorder's writer thread, which holds the interpreter lock while it builds rows (in a host
+the time inside the bridge's own hooks per step (each hook timed; the first timed step,
+which holds the epoch-begin hook under ``--skip 0``, left out; per position of a step in
+AnomalyMonitor's 128-step cycle its median, averaged over the cycle, so a wake counts at its
+position and a rare pause that hits any code alike does not; the plain mean beside it), plus
+the slower host steps after its wakes (per position, the host's median step time without the
+bridge's hooks over the quiet positions', summed; the same measure for the host alone, whose
+raw blocks slow their own next steps, subtracted). Under the bridge's row comes the bridge
+over the no-op callback: what the timing itself and the host's call of a hook cost (the
+host calls every hook on every callback, the bridge's or not) taken out. Keras's TensorBoard
+callback, timed the same way, has a row too and is set against the bridge. What it leaves
+out: the recorder's writer thread, which holds the interpreter lock while it builds rows (in a host
 whose step is mostly Python, that time is taken from the training thread) except as it slows
 the positions it lands on, and garbage collections the bridge's allocations bring forward.
 
@@ -537,7 +537,7 @@ def one_epoch(label: str | None, run: EpochRunner) -> tuple[float, float]:
 
 def median_step(label: str) -> float:
     """The median step, in microseconds, of the newest epoch kept under ``label`` (its first
-    step, which holds the epoch's start, left out)."""
+    timed step, which holds the epoch's start under ``--skip 0``, left out)."""
     return statistics.median(t for t, _ in Inside.steps[label][-1][1:]) / 1e3
 
 
@@ -643,8 +643,8 @@ def in_hooks(epochs: list[list[tuple[int, int]]]) -> tuple[float, float]:
     """The microseconds a step inside the bridge's hooks: (the mean over the positions in the
     128-step cycle of each position's median, the plain mean). The first counts a wake at its
     position and leaves out rare pauses that hit any code alike (a garbage collection, the
-    OS); the second counts everything that happened inside the hooks. The epoch's first step,
-    which also holds the bridge's epoch-begin hook, is left out of both."""
+    OS); the second counts everything that happened inside the hooks. The first timed step
+    (under ``--skip 0`` it also holds the bridge's epoch-begin hook) is left out of both."""
     by_position: list[list[int]] = [[] for _ in range(_PERIOD)]
     for epoch in epochs:
         for index, (_, inside) in enumerate(epoch):
