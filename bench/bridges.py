@@ -57,14 +57,31 @@ out: the recorder's writer thread, which holds the interpreter lock while it bui
 whose step is mostly Python, that time is taken from the training thread) except as it slows
 the positions it lands on, and garbage collections the bridge's allocations bring forward.
 
+A third measurement takes the bridge out of the host's own callback list and puts it back
+every ``--switch`` steps (default 10) within each fit: blocks of steps without it and with it,
+off, on, on, off, off, on, ..., a few milliseconds apart, so the machine's drift cancels
+without raw blocks. A step with the bridge in, against one with it out, holds everything the
+bridge costs the host in that step: the host's call of its hooks, the hooks, the Trainer
+bridge's forward hook on the model (it comes off with the bridge), and any host code that runs
+slower after them. Each block's first step holds the switch and is left out; the CPU time of
+the process's other threads (the recorder's writer) per step with the bridge in, over the same
+in fits that switch nothing, is added. Variants, interleaved for ``--switch-rounds`` rounds
+(default 30): ``nothing switched`` (the two kinds of block are the same: the method's floor),
+``no-op callback``, ``empty bridge`` and ``stepwatch``; per variant, the median over fits of
+each fit's mean (and median) step with the callback in minus out. What it leaves out: costs
+that stay for the whole fit once a bridge is in it (the run's start, which ``--skip`` leaves
+out too, and memory it holds).
+
 Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
 host's own logger.
 
 Usage::
 
-    python bench/bridges.py                 # 9 rounds of 400 steps (after 128) per host
+    python bench/bridges.py                 # 9 rounds of 400 steps (after 128) per host,
+                                            # then 30 rounds with the bridge switched
     python bench/bridges.py --quick         # 2 rounds of 100 steps: a smoke check
     python bench/bridges.py --hosts keras --rounds 15
+    python bench/bridges.py --rounds 0      # the third measurement only (30 rounds)
 """
 
 from __future__ import annotations
@@ -143,6 +160,70 @@ def timed(bridge: Any) -> Any:
     return bridge
 
 
+class Switch:
+    """One callback taken out of its host's callback list and put back, every
+    :attr:`every` timed steps, so that within one fit the host runs blocks of steps without it
+    and blocks with it (see :func:`switched`).
+
+    The blocks go off, on, on, off, off, on, on, off, ... (a drift that runs steadily through
+    the fit adds as much to the blocks with the callback as to those without). ``callback``
+    None switches nothing: the two kinds of block are then the same, and their difference is
+    the method's own floor. ``members`` returns the host's list, read at each switch (a host
+    may replace it when training starts); the host calls its callbacks from that list on each
+    hook, so a callback out of it costs nothing at all. ``on`` / ``off``, if given, run as the
+    callback goes back in / comes out (the Trainer bridge's forward hook on the model).
+    """
+
+    every: ClassVar[int] = 0  # the block's length in steps, set by main()
+
+    def __init__(
+        self,
+        members: Callable[[], list[Any]],
+        callback: Any = None,
+        on: Callable[[Any], None] | None = None,
+        off: Callable[[Any], None] | None = None,
+    ) -> None:
+        self._members, self.callback = members, callback
+        self._on, self._off = on, off
+        self.state = True  # the callback is in its host's list
+        self._index = 0  # where it was
+
+    @staticmethod
+    def wanted(block: int) -> bool:
+        """Whether the callback is in during the ``block``-th block (0-based)."""
+        return block % 4 in (1, 2)
+
+    def set(self, state: bool) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        callback = self.callback
+        if callback is None:
+            return
+        # The host is iterating over this list (the switch runs from its batch-end hook, the
+        # timer's, which comes before the callback): taking it out skips it for this hook,
+        # putting it back where it was calls it at this hook, with the step it follows.
+        members = self._members()
+        if state:
+            members.insert(self._index, callback)
+            if self._on is not None:
+                self._on(callback)
+        else:
+            self._index = members.index(callback)
+            del members[self._index]
+            if self._off is not None:
+                self._off(callback)
+
+
+class Switched:
+    """What :func:`switched` keeps: per variant, each fit's steps and its other threads' time."""
+
+    # variant -> [[(step's nanoseconds, the callback was in), ...] per fit]
+    steps: ClassVar[dict[str, list[list[tuple[int, bool]]]]] = {}
+    # variant -> [CPU seconds of the process's other threads over each whole fit, ...]
+    others: ClassVar[dict[str, list[float]]] = {}
+
+
 class Clock:
     """An epoch's time, with blocks of raw-loop steps run inside it.
 
@@ -162,6 +243,7 @@ class Clock:
         self.seconds = self.raw = 0.0
         self._steps = 0
         self._start = 0.0
+        self.switch: Switch | None = None  # set by a switched run
         if Clock.block:
             self._net = make_mlp()
             self._opt = torch.optim.SGD(self._net.parameters(), lr=LR)
@@ -174,6 +256,9 @@ class Clock:
     def _restart(self) -> None:
         self.raw, self._steps = 0.0, 0
         self._steps_ns: list[tuple[int, int]] = []  # each step's (ns, of them inside hooks)
+        self._states: list[bool] = []  # each step's Switch.state
+        if self.switch is not None and self._seen >= Clock.skip:  # the timing starts here
+            self.switch.set(Switch.wanted(0))
         self._mark = (time.perf_counter_ns(), Inside.ns)
         self._start = time.perf_counter()
 
@@ -187,6 +272,13 @@ class Clock:
         now, inside = time.perf_counter_ns(), Inside.ns
         self._steps_ns.append((now - self._mark[0], inside - self._mark[1]))
         self._mark = (now, inside)
+        switch = self.switch
+        if switch is not None:
+            self._states.append(switch.state)
+            if self._steps % Switch.every == 0:  # the next step starts a block
+                switch.set(Switch.wanted(self._steps // Switch.every))
+                self._mark = (time.perf_counter_ns(), Inside.ns)
+            return
         if Clock.block and self._steps % Clock.block == 0:
             net, opt, loss_fn = self._net, self._opt, self._loss_fn
             start = time.perf_counter()
@@ -200,8 +292,15 @@ class Clock:
 
     def end(self) -> None:
         self.seconds = time.perf_counter() - self._start - self.raw
-        if Inside.current is not None:
-            Inside.steps.setdefault(Inside.current, []).append(self._steps_ns)
+        label = Inside.current
+        if label is None:
+            return
+        if self.switch is None:
+            Inside.steps.setdefault(label, []).append(self._steps_ns)
+            return
+        steps = [(t, state) for (t, _), state in zip(self._steps_ns, self._states)]
+        Switched.steps.setdefault(label, []).append(steps)
+        self.switch.set(True)
 
     def score(self) -> tuple[float, float]:
         """The host's seconds over the raw blocks' seconds (the seconds alone without raw
@@ -216,7 +315,7 @@ def stepwatch_callbacks(folder: str) -> list[Any]:
 
 
 # -- Lightning --------------------------------------------------------------------------------
-def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+def lightning_variants(data: Data, folder: str, switched: bool = False) -> dict[str, EpochRunner]:
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
@@ -267,9 +366,12 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
         torch.utils.data.TensorDataset(data.x, data.y), batch_size=BATCH_SIZE
     )
 
-    def runner(callbacks: Callable[[], list[Any]], logger: Callable[[], Any]) -> EpochRunner:
+    def runner(
+        callbacks: Callable[[], list[Any]], logger: Callable[[], Any], switch: bool = False
+    ) -> EpochRunner:
         def run() -> tuple[float, float]:
             timer = Timer()
+            mine = callbacks()
             trainer = pl.Trainer(
                 max_epochs=1,
                 accelerator="cpu",
@@ -280,14 +382,25 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 num_sanity_val_steps=0,
                 logger=logger(),
                 log_every_n_steps=1,
-                callbacks=[timer, *callbacks()],
+                callbacks=[timer, *mine],
                 default_root_dir=folder,
             )
+            if switch:
+                timer.clock.switch = Switch(lambda: trainer.callbacks, mine[-1] if mine else None)
             trainer.fit(module, train_dataloaders=loader)
             return timer.clock.score()
 
         return run
 
+    if switched:
+        return {
+            "nothing switched": runner(list, lambda: False, switch=True),
+            "no-op callback": runner(lambda: [Noop()], lambda: False, switch=True),
+            "empty bridge": runner(lambda: [StepwatchCallback([])], lambda: False, switch=True),
+            "stepwatch": runner(
+                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False, switch=True
+            ),
+        }
     return {
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
@@ -302,7 +415,9 @@ def lightning_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
 
 # -- the Hugging Face Trainer -----------------------------------------------------------------
-def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+def transformers_variants(
+    data: Data, folder: str, switched: bool = False
+) -> dict[str, EpochRunner]:
     import transformers
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -372,9 +487,23 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
     net, rows = Net(), Rows()
 
-    def runner(callbacks: Callable[[], list[Any]], report_to: list[str]) -> EpochRunner:
+    def hook_on(bridge: Any) -> None:
+        # The bridge's forward hook, which reads the loss: on the model while the bridge is in.
+        if isinstance(bridge, StepwatchCallback) and bridge._model is not None:
+            bridge._hook = bridge._model.register_forward_hook(
+                bridge._forward_hook, with_kwargs=True
+            )
+
+    def hook_off(bridge: Any) -> None:
+        if isinstance(bridge, StepwatchCallback) and bridge._hook is not None:
+            bridge._release()
+
+    def runner(
+        callbacks: Callable[[], list[Any]], report_to: list[str], switch: bool = False
+    ) -> EpochRunner:
         def run() -> tuple[float, float]:
             timer = Timer()
+            mine = callbacks()
             args = TrainingArguments(
                 output_dir=folder,
                 per_device_train_batch_size=BATCH_SIZE,
@@ -392,14 +521,28 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 remove_unused_columns=False,
                 seed=SEED,
             )
-            trainer = Trainer(
-                model=net, args=args, train_dataset=rows, callbacks=[timer, *callbacks()]
-            )
+            trainer = Trainer(model=net, args=args, train_dataset=rows, callbacks=[timer, *mine])
+            if switch:
+                timer.clock.switch = Switch(
+                    lambda: trainer.callback_handler.callbacks,
+                    mine[-1] if mine else None,
+                    on=hook_on,
+                    off=hook_off,
+                )
             trainer.train()
             return timer.clock.score()
 
         return run
 
+    if switched:
+        return {
+            "nothing switched": runner(list, [], switch=True),
+            "no-op callback": runner(lambda: [Noop()], [], switch=True),
+            "empty bridge": runner(lambda: [StepwatchCallback([])], [], switch=True),
+            "stepwatch": runner(
+                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], [], switch=True
+            ),
+        }
     return {
         "alone": runner(list, []),
         "alone'": runner(list, []),
@@ -412,7 +555,7 @@ def transformers_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
 
 # -- Keras ------------------------------------------------------------------------------------
-def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
+def keras_variants(data: Data, folder: str, switched: bool = False) -> dict[str, EpochRunner]:
     import keras
 
     from stepwatch.integrations.keras import StepwatchCallback
@@ -457,9 +600,24 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
 
     x, y = data.x.numpy(), data.y.numpy()
 
-    def runner(callbacks: Callable[[], list[Any]], verbose: int = 0) -> EpochRunner:
+    def runner(
+        callbacks: Callable[[], list[Any]], verbose: int = 0, switch: bool = False
+    ) -> EpochRunner:
         def run() -> tuple[float, float]:
-            timer = BlockTimer() if Clock.block or Clock.skip else Timer()
+            timer = BlockTimer() if Clock.block or Clock.skip or switch else Timer()
+            mine = callbacks()
+            given: Any = [timer, *mine]
+            if switch:  # the list that fit() would make, held here to take the callback out of
+                given = keras.callbacks.CallbackList(
+                    given,
+                    add_history=True,
+                    add_progbar=verbose != 0,
+                    verbose=verbose,
+                    epochs=1,
+                    steps=-(-len(x) // BATCH_SIZE),
+                    model=model,
+                )
+                timer.clock.switch = Switch(lambda: given.callbacks, mine[-1] if mine else None)
             model.fit(
                 x,
                 y,
@@ -467,12 +625,21 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
                 epochs=1,
                 shuffle=False,
                 verbose=verbose,
-                callbacks=[timer, *callbacks()],
+                callbacks=given,
             )
             return timer.clock.score()
 
         return run
 
+    if switched:
+        return {
+            "nothing switched": runner(list, switch=True),
+            "no-op callback": runner(lambda: [BatchNoop()], switch=True),
+            "empty bridge": runner(lambda: [StepwatchCallback([])], switch=True),
+            "stepwatch": runner(
+                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], switch=True
+            ),
+        }
     csv = os.path.join(folder, "keras.csv")
     variants = {
         "alone": runner(list),
@@ -501,7 +668,7 @@ def keras_variants(data: Data, folder: str) -> dict[str, EpochRunner]:
     return variants
 
 
-HOSTS: dict[str, Callable[[Data, str], dict[str, EpochRunner]]] = {
+HOSTS: dict[str, Callable[[Data, str, bool], dict[str, EpochRunner]]] = {
     "lightning": lightning_variants,
     "transformers": transformers_variants,
     "keras": keras_variants,
@@ -543,7 +710,7 @@ def median_step(label: str) -> float:
 
 def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
     with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as folder:
-        variants = HOSTS[host](data, folder)
+        variants = HOSTS[host](data, folder, False)
         alone = variants.pop("alone")
         pairs = [Pairs(host, name) for name in variants]
         for index in range(rounds + 1):  # round 0: warm-up
@@ -698,9 +865,123 @@ def direct_report(hosts: list[str]) -> None:
                       f"{'cheaper' if bridge < theirs else 'NOT cheaper'}")  # fmt: skip
 
 
+# -- the callback switched on and off within each fit ----------------------------------------
+_SWITCHED = ("nothing switched", "no-op callback", "empty bridge", "stepwatch")
+
+
+def switched(host: str, data: Data, rounds: int) -> None:
+    """Fits in which one callback is taken out of the host's list and put back every
+    ``Switch.every`` steps (the variants of :data:`_SWITCHED`, interleaved, the order
+    reversed every other round; round 0 a warm-up). No raw blocks: a block with the callback
+    and the blocks either side of it without are a few milliseconds apart, so the machine's
+    drift cancels at that scale."""
+    block, Clock.block = Clock.block, 0
+    try:
+        with tempfile.TemporaryDirectory(prefix="stepwatch-bench-") as folder:
+            variants = HOSTS[host](data, folder, True)
+            for index in range(rounds + 1):
+                order = list(_SWITCHED) if index % 2 else list(reversed(_SWITCHED))
+                for name in order:
+                    gc.collect()
+                    label = f"{host}/{name}" if index else None
+                    # The other threads' CPU over the whole fit: the recorder's writer may
+                    # write a timed step's rows after the timing (it flushes every second).
+                    others = time.process_time() - time.thread_time()
+                    one_epoch(label, variants[name])
+                    others = time.process_time() - time.thread_time() - others
+                    if label is not None:
+                        Switched.others.setdefault(label, []).append(others)
+                done = "warm-up" if index == 0 else f"round {index}/{rounds}"
+                print(f"  {host}, switched: {done} done", file=sys.stderr, flush=True)
+    finally:
+        Clock.block = block
+
+
+def on_minus_off(fit: list[tuple[int, bool]]) -> tuple[float, float, float, int]:
+    """One switched fit: the mean step with the callback in minus the mean step without it,
+    the same for the medians (both in microseconds), the median step without it, and the
+    steps it saw (the fit's first ``--skip`` steps and the timed steps with it in). Each
+    block's first step (it holds the switch) is left out."""
+    on: list[int] = []
+    off: list[int] = []
+    for index, (ns, state) in enumerate(fit):
+        if index % Switch.every:
+            (on if state else off).append(ns)
+    return (
+        (statistics.fmean(on) - statistics.fmean(off)) / 1e3,
+        (statistics.median(on) - statistics.median(off)) / 1e3,
+        statistics.median(off) / 1e3,
+        Clock.skip + sum(state for _, state in fit),
+    )
+
+
+def switched_report(hosts: list[str], rounds: int) -> None:
+    """Per variant, the median over fits of its with-minus-without steps, and the CPU time of
+    the process's other threads (the recorder's writer) over the whole fit per step the
+    callback saw, over the same for the fits that switch nothing. The bridge is judged by its
+    mean (AnomalyMonitor's wakes and any slower host code after its hooks included) plus that
+    thread time."""
+    print(
+        f"\nThe callback taken out and put back every {Switch.every} steps within each fit "
+        f"(blocks off, on, on, off, ...; each block's first step left out), {rounds} rounds "
+        "(+1 warm-up), medians over the fits\n"
+    )
+    header = (
+        f"{'host':<13} {'variant':<17} {'host us/step':>12} {'in-out mean':>16} "
+        f"{'in-out median':>16} {'threads':>8} {'total':>16}"
+    )
+    print(header)
+    print("-" * len(header))
+    verdicts = []
+    for host in hosts:
+        floor_others = 0.0
+        for name in _SWITCHED:
+            fits = Switched.steps.get(f"{host}/{name}")
+            if not fits:
+                continue
+            each = [on_minus_off(fit) for fit in fits]
+            mean = statistics.median(e[0] for e in each)
+            median = statistics.median(e[1] for e in each)
+            step = statistics.median(e[2] for e in each)
+            others = [
+                seconds * 1e6 / max(1, e[3])
+                for seconds, e in zip(Switched.others[f"{host}/{name}"], each)
+            ]
+            thread = statistics.median(others)
+            if name == "nothing switched":
+                floor_others = thread
+            thread = max(0.0, thread - floor_others) if name != "nothing switched" else 0.0
+            total = mean + thread
+
+            def cell(us: float, step: float = step) -> str:
+                return f"{us:+.1f} us {us / step * 100:+.2f}%"
+
+            print(
+                f"{host:<13} {name:<17} {step:>12.0f} {cell(mean):>16} {cell(median):>16} "
+                f"{thread:>8.1f} {cell(total):>16}"
+            )
+            if name == "nothing switched":
+                floor = mean / step
+            if name == "stepwatch":
+                share = total / step
+                verdicts.append(
+                    f"{host}: the bridge {share * 100:+.2f}% of the host's step, in against out "
+                    f"of the host's callbacks (goal <= {GOAL * 100:.0f}%: "
+                    f"{'met' if share <= GOAL else 'NOT met'}); the method's floor "
+                    f"{floor * 100:+.2f}%"
+                )
+    print()
+    print("\n".join(verdicts))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9, help="measured rounds (default 9)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=9,
+        help="measured rounds (default 9; 0: the third measurement only)",
+    )
     parser.add_argument("--steps", type=int, default=400, help="steps per epoch (default 400)")
     parser.add_argument("--hosts", default=",".join(HOSTS), help="comma-separated hosts")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 100 steps")
@@ -719,6 +1000,19 @@ def main(argv: list[str] | None = None) -> None:
         "AnomalyMonitor's first 104 steps read the losses every 8 steps and the gradients "
         "every 10; 0: the fit's start timed too)",
     )
+    parser.add_argument(
+        "--switch",
+        type=int,
+        default=10,
+        help="the third measurement: the callback taken out of the host's list and put back "
+        "every this many steps within each fit (default 10; 0: left out)",
+    )
+    parser.add_argument(
+        "--switch-rounds",
+        type=int,
+        default=30,
+        help="rounds of the third measurement (default 30)",
+    )
     args = parser.parse_args(argv)
     rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
@@ -735,17 +1029,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--block must be >= 0, got {args.block}")
     Clock.block, Clock.batches = args.block, list(reversed(data.batches))
     Clock.skip = args.skip
+    if args.switch < 0 or args.switch_rounds < 0:
+        parser.error("--switch and --switch-rounds must be >= 0")
+    switch_rounds = 2 if args.quick else args.switch_rounds
+    if args.switch and steps < 4 * args.switch:
+        parser.error(f"--steps must be at least 4 blocks of --switch {args.switch}")
+    Switch.every = args.switch
     results: list[Pairs] = []
     for host in hosts:
-        results += measure(host, data, rounds)
+        if rounds:
+            results += measure(host, data, rounds)
+        if args.switch and switch_rounds:
+            switched(host, data, switch_rounds)
     print(
         f"\n{steps} steps of {BATCH_SIZE} per epoch timed after the first {args.skip}, "
         f"{rounds} rounds (+1 warm-up), "
         f"{f'raw blocks of {args.block} steps' if args.block else 'no raw blocks'}, torch "
         f"{torch.__version__}, 1 thread\n"
     )
-    report(results, steps)
-    direct_report(hosts)
+    if rounds:
+        report(results, steps)
+        direct_report(hosts)
+    if args.switch and switch_rounds:
+        switched_report(hosts, switch_rounds)
 
 
 if __name__ == "__main__":
