@@ -1029,11 +1029,18 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--block must be >= 0, got {args.block}")
     Clock.block, Clock.batches = args.block, list(reversed(data.batches))
     Clock.skip = args.skip
-    if args.switch < 0 or args.switch_rounds < 0:
-        parser.error("--switch and --switch-rounds must be >= 0")
+    for flag, value in (
+        ("--rounds", args.rounds),
+        ("--switch", args.switch),
+        ("--switch-rounds", args.switch_rounds),
+    ):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value}")
     switch_rounds = 2 if args.quick else args.switch_rounds
     if args.switch and steps < 4 * args.switch:
         parser.error(f"--steps must be at least 4 blocks of --switch {args.switch}")
+    if not rounds and not (args.switch and switch_rounds):
+        parser.error("nothing to measure: --rounds 0 with --switch 0 or --switch-rounds 0")
     Switch.every = args.switch
     results: list[Pairs] = []
     for host in hosts:
