@@ -63,9 +63,10 @@ off, on, on, off, off, on, ..., a few milliseconds apart, so the machine's drift
 without raw blocks. A step with the bridge in, against one with it out, holds everything the
 bridge costs the host in that step: the host's call of its hooks, the hooks, the Trainer
 bridge's forward hook on the model (it comes off with the bridge), and any host code that runs
-slower after them. Each block's first step holds the switch and is left out; the CPU time of
-the process's other threads (the recorder's writer) per step with the bridge in, over the same
-in fits that switch nothing, is added. Variants, interleaved for ``--switch-rounds`` rounds
+slower after them. Each block's first step holds the switch and is left out. The CPU time of
+the process's other threads (the recorder's writer) over the whole fit, per step the bridge
+saw, over the same in fits that switch nothing, is added: an upper bound, since it holds the
+writer's one-off work as the run closes. Variants, interleaved for ``--switch-rounds`` rounds
 (default 30): ``nothing switched`` (the two kinds of block are the same: the method's floor),
 ``no-op callback``, ``empty bridge`` and ``stepwatch``; per variant, the median over fits of
 each fit's mean (and median) step with the callback in minus out. What it leaves out: costs
