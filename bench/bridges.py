@@ -315,6 +315,28 @@ def stepwatch_callbacks(folder: str) -> list[Any]:
     return [RunRecorder(db=db, every_n_steps=1), AnomalyMonitor()]
 
 
+# The variants of the third measurement (see :func:`switched`), in the order they run.
+_SWITCHED = ("nothing switched", "no-op callback", "empty bridge", "stepwatch")
+
+
+def switched_variants(
+    runner: Callable[[Callable[[], list[Any]]], EpochRunner],
+    noop: Callable[[], Any],
+    bridge: Callable[[Any], Any],
+    folder: str,
+) -> dict[str, EpochRunner]:
+    """A host's variants of :data:`_SWITCHED`: ``runner(callbacks)`` runs a switched fit with
+    them, the last one the callback switched; ``noop`` makes the host's no-op callback and
+    ``bridge`` its ``StepwatchCallback``."""
+    made: tuple[Callable[[], list[Any]], ...] = (
+        list,
+        lambda: [noop()],
+        lambda: [bridge([])],
+        lambda: [bridge(stepwatch_callbacks(folder))],
+    )
+    return {name: runner(callbacks) for name, callbacks in zip(_SWITCHED, made)}
+
+
 # -- Lightning --------------------------------------------------------------------------------
 def lightning_variants(data: Data, folder: str, switched: bool = False) -> dict[str, EpochRunner]:
     import lightning.pytorch as pl
@@ -394,14 +416,9 @@ def lightning_variants(data: Data, folder: str, switched: bool = False) -> dict[
         return run
 
     if switched:
-        return {
-            "nothing switched": runner(list, lambda: False, switch=True),
-            "no-op callback": runner(lambda: [Noop()], lambda: False, switch=True),
-            "empty bridge": runner(lambda: [StepwatchCallback([])], lambda: False, switch=True),
-            "stepwatch": runner(
-                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], lambda: False, switch=True
-            ),
-        }
+        return switched_variants(
+            lambda made: runner(made, lambda: False, switch=True), Noop, StepwatchCallback, folder
+        )
     return {
         "alone": runner(list, lambda: False),
         "alone'": runner(list, lambda: False),
@@ -536,14 +553,9 @@ def transformers_variants(
         return run
 
     if switched:
-        return {
-            "nothing switched": runner(list, [], switch=True),
-            "no-op callback": runner(lambda: [Noop()], [], switch=True),
-            "empty bridge": runner(lambda: [StepwatchCallback([])], [], switch=True),
-            "stepwatch": runner(
-                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], [], switch=True
-            ),
-        }
+        return switched_variants(
+            lambda made: runner(made, [], switch=True), Noop, StepwatchCallback, folder
+        )
     return {
         "alone": runner(list, []),
         "alone'": runner(list, []),
@@ -633,14 +645,9 @@ def keras_variants(data: Data, folder: str, switched: bool = False) -> dict[str,
         return run
 
     if switched:
-        return {
-            "nothing switched": runner(list, switch=True),
-            "no-op callback": runner(lambda: [BatchNoop()], switch=True),
-            "empty bridge": runner(lambda: [StepwatchCallback([])], switch=True),
-            "stepwatch": runner(
-                lambda: [StepwatchCallback(stepwatch_callbacks(folder))], switch=True
-            ),
-        }
+        return switched_variants(
+            lambda made: runner(made, switch=True), BatchNoop, StepwatchCallback, folder
+        )
     csv = os.path.join(folder, "keras.csv")
     variants = {
         "alone": runner(list),
@@ -867,7 +874,6 @@ def direct_report(hosts: list[str]) -> None:
 
 
 # -- the callback switched on and off within each fit ----------------------------------------
-_SWITCHED = ("nothing switched", "no-op callback", "empty bridge", "stepwatch")
 
 
 def switched(host: str, data: Data, rounds: int) -> None:
@@ -935,7 +941,7 @@ def switched_report(hosts: list[str], rounds: int) -> None:
     print("-" * len(header))
     verdicts = []
     for host in hosts:
-        floor_others = 0.0
+        floor_others = floor = 0.0
         for name in _SWITCHED:
             fits = Switched.steps.get(f"{host}/{name}")
             if not fits:
