@@ -393,6 +393,32 @@ def test_a_training_step_without_a_loss_is_left_out_with_a_warning() -> None:
     assert [s for s, _, _ in user.seen] == list(range(1, 16))
 
 
+def test_lightning_calls_only_the_batch_hooks_the_bridge_uses() -> None:
+    # Lightning's SimpleProfiler names every callback hook it calls: the bridge's unused
+    # per-batch hooks are skipped (none of them), and a subclass can still define one.
+    calls: list[int] = []
+
+    class Mine(StepwatchCallback):
+        def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            calls.append(trainer.global_step)
+
+    user = SeedStyle()
+    trainer, _ = _fit([StepwatchCallback([user]), Mine()], epochs=1, profiler="simple")
+    called = {
+        name.split(".", 1)[1]
+        for name in trainer.profiler.recorded_durations
+        if name.startswith("[Callback]StepwatchCallback.")
+    }
+    assert "on_train_batch_end" in called and "on_train_epoch_end" in called
+    batch_hooks = {"on_train_batch_start", "on_before_backward", "on_after_backward",
+                   "on_before_optimizer_step", "on_before_zero_grad",
+                   "on_validation_batch_start", "on_validation_batch_end"}  # fmt: skip
+    assert not called & batch_hooks
+    assert any(n.endswith("Mine.on_after_backward") for n in trainer.profiler.recorded_durations)
+    assert calls == list(range(16))
+    assert [s for s, _, _ in user.seen] == list(range(1, 17))  # the bridge still saw each step
+
+
 def test_an_exception_in_training_marks_the_run_failed(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     recorder = RunRecorder(db=db)

@@ -146,6 +146,10 @@ class StepwatchCallback(BridgeFace, pl.Callback):
     Each ``Trainer.fit`` is one stepwatch run: it opens when training starts (after the sanity
     check) and ends with the fit, ``failed`` when the fit raises.
 
+    The per-batch hooks it does not use (``on_train_batch_start``, ``on_before_backward``, ...)
+    are None, so Lightning skips them rather than calling a no-op several times a batch; a
+    subclass may still define any of them (without calling ``super()``).
+
     Args:
         callbacks: a stepwatch ``Callback`` or a list of them (built-in ones or your own),
             instances, not classes.
@@ -314,6 +318,27 @@ class StepwatchCallback(BridgeFace, pl.Callback):
     def __repr__(self) -> str:
         inner = ", ".join(type(cb).__name__ for cb in self._bridge.callbacks)
         return f"StepwatchCallback([{inner}])"
+
+
+# Lightning calls a callback's hook only where it is callable, and each call goes through its
+# profiler with a name formatted for it: a no-op hook costs a callback about a microsecond, on
+# every batch. The per-batch hooks the bridge does not use are None, so Lightning skips them.
+_UNUSED_BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+for _hook in _UNUSED_BATCH_HOOKS:
+    setattr(StepwatchCallback, _hook, None)
+del _hook
 
 
 def _loss_of(outputs: Any) -> torch.Tensor | None:
