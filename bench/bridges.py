@@ -64,14 +64,18 @@ without raw blocks. A step with the bridge in, against one with it out, holds ev
 bridge costs the host in that step: the host's call of its hooks, the hooks, the Trainer
 bridge's forward hook on the model (it comes off with the bridge), and any host code that runs
 slower after them. Each block's first step holds the switch and is left out. The CPU time of
-the process's other threads (the recorder's writer) over the whole fit, per step the bridge
-saw, over the same in fits that switch nothing, is added: an upper bound, since it holds the
-writer's one-off work as the run closes. Variants, interleaved for ``--switch-rounds`` rounds
-(default 30): ``nothing switched`` (the two kinds of block are the same: the method's floor),
-``no-op callback``, ``empty bridge`` and ``stepwatch``; per variant, the median over fits of
-each fit's mean (and median) step with the callback in minus out. What it leaves out: costs
-that stay for the whole fit once a bridge is in it (the run's start, which ``--skip`` leaves
-out too, and memory it holds).
+the process's other threads (the recorder's writer) is added: where the timing starts and
+where it ends, the recorder hands over every loss it holds and the bench waits for the writer
+to write them, so the time between is the writer's work for the timed steps' rows, per timed
+step the bridge saw, over the same in fits that switch nothing. That is one write per fit's
+~200 rows where a run of these steps writes once a second (~1,100 rows), so it leans high.
+The writer's work once per run (its first write, which prepares its statements, and its
+close) is shown beside in milliseconds, not counted per step. Variants, interleaved for
+``--switch-rounds`` rounds (default 30): ``nothing switched`` (the two kinds of block are the
+same: the method's floor), ``no-op callback``, ``empty bridge`` and ``stepwatch``; per
+variant, the median over fits of each fit's mean (and median) step with the callback in minus
+out. What it leaves out: costs that stay for the whole fit once a bridge is in it (the run's
+start, which ``--skip`` leaves out too, and memory it holds).
 
 Goal (issue 18): the bridge costs at most 3 % of the host's step time, and less than the
 host's own logger.
@@ -194,6 +198,19 @@ class Switch:
         """Whether the callback is in during the ``block``-th block (0-based)."""
         return block % 4 in (1, 2)
 
+    def settle(self) -> float:
+        """Write every step loss the switched bridge's RunRecorder holds and wait for its writer
+        (no-op without one); return the CPU seconds of the process's other threads so far.
+        Called where the timing starts and ends, so the writer's time between the two calls is
+        its work for the timed steps' rows, and its one-off work for the run (its first write,
+        which prepares its statements, and its close) falls outside."""
+        for callback in getattr(self.callback, "callbacks", ()):
+            if isinstance(callback, RunRecorder) and callback.writer is not None:
+                if callback._cb_params is not None:
+                    callback._flush(callback._cb_params)
+                callback.writer.flush()
+        return time.process_time() - time.thread_time()
+
     def set(self, state: bool) -> None:
         if state == self.state:
             return
@@ -221,8 +238,10 @@ class Switched:
 
     # variant -> [[(step's nanoseconds, the callback was in), ...] per fit]
     steps: ClassVar[dict[str, list[list[tuple[int, bool]]]]] = {}
-    # variant -> [CPU seconds of the process's other threads over each whole fit, ...]
+    # variant -> [CPU seconds of the process's other threads over each fit's timed steps, ...]
     others: ClassVar[dict[str, list[float]]] = {}
+    # variant -> [the same over each whole fit, ...]
+    whole: ClassVar[dict[str, list[float]]] = {}
 
 
 class Clock:
@@ -245,6 +264,7 @@ class Clock:
         self._steps = 0
         self._start = 0.0
         self.switch: Switch | None = None  # set by a switched run
+        self._others = 0.0  # the other threads' CPU seconds where the timing started
         if Clock.block:
             self._net = make_mlp()
             self._opt = torch.optim.SGD(self._net.parameters(), lr=LR)
@@ -259,6 +279,7 @@ class Clock:
         self._steps_ns: list[tuple[int, int]] = []  # each step's (ns, of them inside hooks)
         self._states: list[bool] = []  # each step's Switch.state
         if self.switch is not None and self._seen >= Clock.skip:  # the timing starts here
+            self._others = self.switch.settle()
             self.switch.set(Switch.wanted(0))
         self._mark = (time.perf_counter_ns(), Inside.ns)
         self._start = time.perf_counter()
@@ -301,6 +322,8 @@ class Clock:
             return
         steps = [(t, state) for (t, _), state in zip(self._steps_ns, self._states)]
         Switched.steps.setdefault(label, []).append(steps)
+        others = self.switch.settle() - self._others
+        Switched.others.setdefault(label, []).append(others)
         self.switch.set(True)
 
     def score(self) -> tuple[float, float]:
@@ -891,13 +914,12 @@ def switched(host: str, data: Data, rounds: int) -> None:
                 for name in order:
                     gc.collect()
                     label = f"{host}/{name}" if index else None
-                    # The other threads' CPU over the whole fit: the recorder's writer may
-                    # write a timed step's rows after the timing (it flushes every second).
+                    # The other threads' CPU over the whole fit, the run's one-off work in it.
                     others = time.process_time() - time.thread_time()
                     one_epoch(label, variants[name])
                     others = time.process_time() - time.thread_time() - others
                     if label is not None:
-                        Switched.others.setdefault(label, []).append(others)
+                        Switched.whole.setdefault(label, []).append(others)
                 done = "warm-up" if index == 0 else f"round {index}/{rounds}"
                 print(f"  {host}, switched: {done} done", file=sys.stderr, flush=True)
     finally:
@@ -907,8 +929,8 @@ def switched(host: str, data: Data, rounds: int) -> None:
 def on_minus_off(fit: list[tuple[int, bool]]) -> tuple[float, float, float, int]:
     """One switched fit: the mean step with the callback in minus the mean step without it,
     the same for the medians (both in microseconds), the median step without it, and the
-    steps it saw (the fit's first ``--skip`` steps and the timed steps with it in). Each
-    block's first step (it holds the switch) is left out."""
+    timed steps it saw (with it in). Each block's first step (it holds the switch) is left
+    out of the step times."""
     on: list[int] = []
     off: list[int] = []
     for index, (ns, state) in enumerate(fit):
@@ -918,16 +940,19 @@ def on_minus_off(fit: list[tuple[int, bool]]) -> tuple[float, float, float, int]
         (statistics.fmean(on) - statistics.fmean(off)) / 1e3,
         (statistics.median(on) - statistics.median(off)) / 1e3,
         statistics.median(off) / 1e3,
-        Clock.skip + sum(state for _, state in fit),
+        max(1, sum(state for _, state in fit)),
     )
 
 
 def switched_report(hosts: list[str], rounds: int) -> None:
     """Per variant, the median over fits of its with-minus-without steps, and the CPU time of
-    the process's other threads (the recorder's writer) over the whole fit per step the
-    callback saw, over the same for the fits that switch nothing. The bridge is judged by its
-    mean (AnomalyMonitor's wakes and any slower host code after its hooks included) plus that
-    thread time."""
+    the process's other threads (the recorder's writer) over the timed steps, per timed step
+    the callback saw, over the same for the fits that switch nothing. The bridge is judged by
+    its mean (AnomalyMonitor's wakes and any slower host code after its hooks included) plus
+    that thread time. The ``run ms`` column is the other threads' CPU outside the timed steps
+    (the writer's one-off work for a run: its first write and its close; the first ``--skip``
+    steps' rows), per fit, over the same for the fits that switch nothing: a cost per run,
+    not per step, shown beside."""
     print(
         f"\nThe callback taken out and put back every {Switch.every} steps within each fit "
         f"(blocks off, on, on, off, ...; each block's first step left out), {rounds} rounds "
@@ -935,13 +960,13 @@ def switched_report(hosts: list[str], rounds: int) -> None:
     )
     header = (
         f"{'host':<13} {'variant':<17} {'host us/step':>12} {'in-out mean':>16} "
-        f"{'in-out median':>16} {'threads':>8} {'total':>16}"
+        f"{'in-out median':>16} {'threads':>8} {'total':>16} {'run ms':>7}"
     )
     print(header)
     print("-" * len(header))
     verdicts = []
     for host in hosts:
-        floor_others = floor = 0.0
+        floor_others = floor = floor_run = 0.0
         for name in _SWITCHED:
             fits = Switched.steps.get(f"{host}/{name}")
             if not fits:
@@ -950,14 +975,15 @@ def switched_report(hosts: list[str], rounds: int) -> None:
             mean = statistics.median(e[0] for e in each)
             median = statistics.median(e[1] for e in each)
             step = statistics.median(e[2] for e in each)
-            others = [
-                seconds * 1e6 / max(1, e[3])
-                for seconds, e in zip(Switched.others[f"{host}/{name}"], each)
-            ]
+            label = f"{host}/{name}"
+            others = [seconds * 1e6 / e[3] for seconds, e in zip(Switched.others[label], each)]
             thread = statistics.median(others)
+            pairs = zip(Switched.whole[label], Switched.others[label])
+            run_ms = 1e3 * statistics.median(whole - window for whole, window in pairs)
             if name == "nothing switched":
-                floor_others = thread
+                floor_others, floor_run = thread, run_ms
             thread = max(0.0, thread - floor_others) if name != "nothing switched" else 0.0
+            run_ms = run_ms - floor_run if name != "nothing switched" else 0.0
             total = mean + thread
 
             def cell(us: float, step: float = step) -> str:
@@ -965,7 +991,7 @@ def switched_report(hosts: list[str], rounds: int) -> None:
 
             print(
                 f"{host:<13} {name:<17} {step:>12.0f} {cell(mean):>16} {cell(median):>16} "
-                f"{thread:>8.1f} {cell(total):>16}"
+                f"{thread:>8.1f} {cell(total):>16} {run_ms:>7.2f}"
             )
             if name == "nothing switched":
                 floor = mean / step
@@ -975,7 +1001,7 @@ def switched_report(hosts: list[str], rounds: int) -> None:
                     f"{host}: the bridge {share * 100:+.2f}% of the host's step, in against out "
                     f"of the host's callbacks (goal <= {GOAL * 100:.0f}%: "
                     f"{'met' if share <= GOAL else 'NOT met'}); the method's floor "
-                    f"{floor * 100:+.2f}%"
+                    f"{floor * 100:+.2f}%; the writer's work once per run {run_ms:.1f} ms"
                 )
     print()
     print("\n".join(verdicts))
