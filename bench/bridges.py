@@ -67,11 +67,12 @@ slower after them. Each block's first step holds the switch and is left out. The
 the process's other threads (the recorder's writer) is added: where the timing starts and
 where it ends, the recorder hands over every loss it holds and the bench waits for the writer
 to write them, so the time between is the writer's work for the timed steps' rows, per timed
-step the bridge saw, over the same in fits that switch nothing. That is one write per fit's
-~200 rows where a run of these steps writes once a second (~1,100 rows), so it leans high.
+step the bridge saw, over the same in fits that switch nothing. Each fit times
+``--switch-steps`` steps (default 1200, over a second), so the writer writes within them about
+as often as in a long run (once a second), plus the one write at the end (so it leans high).
 The writer's work once per run (its first write, which prepares its statements, and its
 close) is shown beside in milliseconds, not counted per step. Variants, interleaved for
-``--switch-rounds`` rounds (default 30): ``nothing switched`` (the two kinds of block are the
+``--switch-rounds`` rounds (default 20): ``nothing switched`` (the two kinds of block are the
 same: the method's floor), ``no-op callback``, ``empty bridge`` and ``stepwatch``; per
 variant, the median over fits of each fit's mean (and median) step with the callback in minus
 out. What it leaves out: costs that stay for the whole fit once a bridge is in it (the run's
@@ -83,10 +84,11 @@ host's own logger.
 Usage::
 
     python bench/bridges.py                 # 9 rounds of 400 steps (after 128) per host,
-                                            # then 30 rounds with the bridge switched
+                                            # then 20 rounds of 1200 steps with the
+                                            # bridge switched
     python bench/bridges.py --quick         # 2 rounds of 100 steps: a smoke check
     python bench/bridges.py --hosts keras --rounds 15
-    python bench/bridges.py --rounds 0      # the third measurement only (30 rounds)
+    python bench/bridges.py --rounds 0      # the third measurement only
 """
 
 from __future__ import annotations
@@ -944,7 +946,7 @@ def on_minus_off(fit: list[tuple[int, bool]]) -> tuple[float, float, float, int]
     )
 
 
-def switched_report(hosts: list[str], rounds: int) -> None:
+def switched_report(hosts: list[str], rounds: int, steps: int) -> None:
     """Per variant, the median over fits of its with-minus-without steps, and the CPU time of
     the process's other threads (the recorder's writer) over the timed steps, per timed step
     the callback saw, over the same for the fits that switch nothing. The bridge is judged by
@@ -954,9 +956,9 @@ def switched_report(hosts: list[str], rounds: int) -> None:
     steps' rows), per fit, over the same for the fits that switch nothing: a cost per run,
     not per step, shown beside."""
     print(
-        f"\nThe callback taken out and put back every {Switch.every} steps within each fit "
-        f"(blocks off, on, on, off, ...; each block's first step left out), {rounds} rounds "
-        "(+1 warm-up), medians over the fits\n"
+        f"\nThe callback taken out and put back every {Switch.every} steps within each fit of "
+        f"{steps} timed steps (blocks off, on, on, off, ...; each block's first step left out), "
+        f"{rounds} rounds (+1 warm-up), medians over the fits\n"
     )
     header = (
         f"{'host':<13} {'variant':<17} {'host us/step':>12} {'in-out mean':>16} "
@@ -1043,8 +1045,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--switch-rounds",
         type=int,
-        default=30,
-        help="rounds of the third measurement (default 30)",
+        default=20,
+        help="rounds of the third measurement (default 20)",
+    )
+    parser.add_argument(
+        "--switch-steps",
+        type=int,
+        default=1200,
+        help="timed steps of each fit of the third measurement (default 1200: over a second, "
+        "so that the recorder's writer writes within them as often as in a long run)",
     )
     args = parser.parse_args(argv)
     rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
@@ -1066,21 +1075,27 @@ def main(argv: list[str] | None = None) -> None:
         ("--rounds", args.rounds),
         ("--switch", args.switch),
         ("--switch-rounds", args.switch_rounds),
+        ("--switch-steps", args.switch_steps),
     ):
         if value < 0:
             parser.error(f"{flag} must be >= 0, got {value}")
     switch_rounds = 2 if args.quick else args.switch_rounds
-    if args.switch and steps < 4 * args.switch:
-        parser.error(f"--steps must be at least 4 blocks of --switch {args.switch}")
+    switch_steps = 100 if args.quick else args.switch_steps
+    if args.switch and switch_steps < 4 * args.switch:
+        parser.error(
+            f"--switch-steps must be at least 4 blocks of --switch {args.switch}, "
+            f"got {switch_steps}"
+        )
     if not rounds and not (args.switch and switch_rounds):
         parser.error("nothing to measure: --rounds 0 with --switch 0 or --switch-rounds 0")
     Switch.every = args.switch
+    switch_data = make_data(args.skip + switch_steps) if args.switch and switch_rounds else data
     results: list[Pairs] = []
     for host in hosts:
         if rounds:
             results += measure(host, data, rounds)
         if args.switch and switch_rounds:
-            switched(host, data, switch_rounds)
+            switched(host, switch_data, switch_rounds)
     print(
         f"\n{steps} steps of {BATCH_SIZE} per epoch timed after the first {args.skip}, "
         f"{rounds} rounds (+1 warm-up), "
@@ -1091,7 +1106,7 @@ def main(argv: list[str] | None = None) -> None:
         report(results, steps)
         direct_report(hosts)
     if args.switch and switch_rounds:
-        switched_report(hosts, switch_rounds)
+        switched_report(hosts, switch_rounds, switch_steps)
 
 
 if __name__ == "__main__":
