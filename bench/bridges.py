@@ -13,9 +13,6 @@ alone (the pair's order alternates from round to round):
   has a batch-end hook: Keras hands batch-end hooks to a thread pool only while no callback
   has one, and runs them in line otherwise (on this machine the pool is the slower way);
   the bridge has one, so this is its fair floor;
-* ``no-op + fwd hook`` (the Trainer only) - a no-op callback that also holds a no-op forward
-  hook on the model: the Trainer hands its callbacks no step loss, so a bridge must read it
-  off the model's forward; this is the least any Trainer bridge pays;
 * ``empty bridge`` - the host with ``StepwatchCallback([])``: the bridge's own machinery
   (its hooks and the run's step) with no stepwatch callback in it;
 * ``stepwatch`` - the host with ``StepwatchCallback([RunRecorder(every_n_steps=1),
@@ -62,16 +59,16 @@ every ``--switch`` steps (default 10) within each fit: blocks of steps without i
 off, on, on, off, off, on, ..., a few milliseconds apart, so the machine's drift cancels
 without raw blocks. A step with the bridge in, against one with it out, holds everything the
 bridge costs the host in that step: the host's call of its hooks, the hooks, the Trainer
-bridge's forward hook on the model (it comes off with the bridge), and any host code that runs
-slower after them. Each block's first step holds the switch and is left out. The CPU time of
-the process's other threads (the recorder's writer) is added: where the timing starts and
-where it ends, the recorder hands over every loss it holds and the bench waits for the writer
-to write them, so the time between is the writer's work for the timed steps' rows, per timed
-step the bridge saw, over the same in fits that switch nothing. Each fit times
-``--switch-steps`` steps (default 1200, over a second), so the writer writes within them about
-as often as in a long run (once a second), plus the one write at the end (so it leans high).
-The writer's work once per run (its first write, which prepares its statements, and its
-close) is shown beside in milliseconds, not counted per step. Variants, interleaved for
+bridge's wrapper of the Trainer's ``training_step`` (it comes off with the bridge), and any
+host code that runs slower after them. Each block's first step holds the switch and is left
+out. The CPU time of the process's other threads (the recorder's writer) is added: where the
+timing starts and where it ends, the recorder hands over every loss it holds and the bench
+waits for the writer to write them, so the time between is the writer's work for the timed
+steps' rows, per timed step the bridge saw, over the same in fits that switch nothing. Each
+fit times ``--switch-steps`` steps (default 1200, over a second), so the writer writes within
+them about as often as in a long run (once a second), plus the one write at the end (so it
+leans high). The writer's work once per run (its first write, which prepares its statements,
+and its close) is shown beside in milliseconds, not counted per step. Variants, interleaved for
 ``--switch-rounds`` rounds (default 20): ``nothing switched`` (the two kinds of block are the
 same: the method's floor), ``no-op callback``, ``empty bridge`` and ``stepwatch``; per
 variant, the median over fits of each fit's mean (and median) step with the callback in minus
@@ -146,11 +143,11 @@ class Inside:
 
 
 def timed(bridge: Any) -> Any:
-    """``bridge`` with its own hooks (those its class defines, and the Trainer bridge's forward
-    hook) timed into :attr:`Inside.ns`."""
+    """``bridge`` with its own hooks (those its class defines, and what the Trainer bridge runs
+    inside the Trainer's ``training_step`` and its forward hook) timed into :attr:`Inside.ns`."""
     clock = time.perf_counter_ns
     for name in vars(type(bridge)):
-        if not (name.startswith("on_") or name == "_forward_hook"):
+        if not (name.startswith("on_") or name in ("_forward_hook", "_keep")):
             continue
         hook = getattr(bridge, name, None)
         if not callable(hook):
@@ -178,7 +175,7 @@ class Switch:
     the method's own floor. ``members`` returns the host's list, read at each switch (a host
     may replace it when training starts); the host calls its callbacks from that list on each
     hook, so a callback out of it costs nothing at all. ``on`` / ``off``, if given, run as the
-    callback goes back in / comes out (the Trainer bridge's forward hook on the model).
+    callback goes back in / comes out (the Trainer bridge's wrapper of ``training_step``).
     """
 
     every: ClassVar[int] = 0  # the block's length in steps, set by main()
@@ -515,31 +512,21 @@ def transformers_variants(
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             pass
 
-    class HookOnly(TrainerCallback):
-        """A no-op callback that also holds a no-op forward hook (with keyword arguments) on the
-        model while it trains: the least any Trainer bridge pays, since the Trainer hands its
-        callbacks no step loss and the loss can only be read off the model's forward."""
-
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.handle = kw["model"].register_forward_hook(
-                lambda module, args, kwargs, output: None, with_kwargs=True
-            )
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            self.handle.remove()
-
     net, rows = Net(), Rows()
 
+    wrapped: dict[int, Any] = {}  # a switched-out bridge's Trainer
+
     def hook_on(bridge: Any) -> None:
-        # The bridge's forward hook, which reads the loss: on the model while the bridge is in.
-        if isinstance(bridge, StepwatchCallback) and bridge._model is not None:
-            bridge._hook = bridge._model.register_forward_hook(
-                bridge._forward_hook, with_kwargs=True
-            )
+        # The bridge's wrapper of the Trainer's training_step, which reads the loss: on the
+        # Trainer while the bridge is in.
+        trainer = wrapped.pop(id(bridge), None)
+        if trainer is not None:
+            bridge._wrap(trainer)
 
     def hook_off(bridge: Any) -> None:
-        if isinstance(bridge, StepwatchCallback) and bridge._hook is not None:
-            bridge._release()
+        if isinstance(bridge, StepwatchCallback) and bridge._trainer is not None:
+            wrapped[id(bridge)] = bridge._trainer
+            bridge._unwrap()
 
     def runner(
         callbacks: Callable[[], list[Any]], report_to: list[str], switch: bool = False
@@ -585,7 +572,6 @@ def transformers_variants(
         "alone": runner(list, []),
         "alone'": runner(list, []),
         "no-op callback": runner(lambda: [timed(Noop())], []),
-        "no-op + fwd hook": runner(lambda: [HookOnly()], []),
         "empty bridge": runner(lambda: [timed(StepwatchCallback([]))], []),
         "stepwatch": runner(lambda: [timed(StepwatchCallback(stepwatch_callbacks(folder)))], []),
         "tensorboard": runner(list, ["tensorboard"]),
@@ -772,7 +758,7 @@ def measure(host: str, data: Data, rounds: int) -> list[Pairs]:
 
 
 # The variants that are not one of the host's own loggers.
-_NOT_LOGGERS = ("stepwatch", "alone'", "no-op callback", "no-op + fwd hook", "empty bridge")
+_NOT_LOGGERS = ("stepwatch", "alone'", "no-op callback", "empty bridge")
 
 
 def report(results: list[Pairs], steps: int) -> None:
@@ -806,13 +792,11 @@ def report(results: list[Pairs], steps: int) -> None:
         # host that runs faster with any callback, as Keras here, is judged by the second).
         judged = max(bridge, bridge - dispatch)
         cheaper = [k for k, v in loggers.items() if judged < v]
-        hook = shares.get("no-op + fwd hook")
-        floor = "" if hook is None else f"; a no-op callback with a forward hook {hook * 100:+.1f}%"
         verdicts.append(
             f"{host}: bridge {bridge * 100:+.1f}% of the host's step (goal <= {GOAL * 100:.0f}%: "
             f"{'met' if judged <= GOAL else 'NOT met'}); noise floor "
             f"{noise * 100:+.1f}%; a no-op callback {dispatch * 100:+.1f}% (the bridge over it: "
-            f"{(bridge - dispatch) * 100:+.1f}%){floor}; the bridge with no callback in it "
+            f"{(bridge - dispatch) * 100:+.1f}%); the bridge with no callback in it "
             f"{shares['empty bridge'] * 100:+.1f}%; cheaper than "
             f"{', '.join(cheaper) if cheaper else 'none'} of {', '.join(loggers)}"
         )

@@ -19,12 +19,15 @@ from transformers import (
     PreTrainedModel,
     Trainer,
     TrainerCallback,
+    TrainerControl,
+    TrainerState,
     TrainingArguments,
 )
 
-from stepwatch import AnomalyMonitor, LossMonitor, ProgressBar, RunRecorder, Store
+from stepwatch import AnomalyMonitor, Callback, LossMonitor, ProgressBar, RunRecorder, Store
 from stepwatch.integrations.transformers import StepwatchCallback
 from stepwatch.monitor import values
+from stepwatch.train.callback._callback import on_clock
 
 from .bridge_support import (
     LossAbove,
@@ -433,7 +436,8 @@ def test_a_script_that_dies_inside_train_stores_the_run_failed(tmp_path: Path) -
 
 
 class OwnLoss(Trainer):
-    """A Trainer with a loss of its own, computed outside the model."""
+    """A Trainer with a loss of its own, computed outside the model; ``hand_over`` hands the
+    model's own loss to the bridge instead."""
 
     watch: StepwatchCallback | None = None
 
@@ -441,25 +445,36 @@ class OwnLoss(Trainer):
         outputs = model(**inputs)
         loss = outputs["loss"] * 2.0
         if self.watch is not None:
-            self.watch.record_loss(loss)
+            self.watch.record_loss(outputs["loss"])
         return (loss, outputs) if return_outputs else loss
 
 
-def test_a_loss_computed_outside_the_model_is_handed_over_or_named(tmp_path: Path) -> None:
+def _logged(trainer: Trainer) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+
+def test_a_loss_computed_outside_the_model_is_the_one_recorded(tmp_path: Path) -> None:
+    """The Trainer's own step loss is recorded however it was computed: a compute_loss of the
+    user's, compute_loss_func. record_loss hands over a different one."""
     db = tmp_path / "runs.db"
-    recorder = RunRecorder(db=db)
-    watch = StepwatchCallback([recorder])
-    torch.manual_seed(0)
-    model = TinyModel(TinyConfig())
-    trainer = OwnLoss(
-        model=model, args=_args(tmp_path, num_train_epochs=1), train_dataset=Data(),
-        callbacks=[watch],
-    )  # fmt: skip
-    trainer.watch = watch
-    trainer.train()
-    with Store(db) as store:
-        losses = store.metrics(recorder.run_id, values.STEP_LOSS)[1]
-        np.testing.assert_allclose(losses, np.asarray(model.computed) * 2.0, rtol=1e-6)
+    logging = {"num_train_epochs": 1, "logging_strategy": "steps", "logging_steps": 1}
+    for handed in (False, True):
+        recorder = RunRecorder(db=db)
+        watch = StepwatchCallback([recorder])
+        torch.manual_seed(0)
+        model = TinyModel(TinyConfig())
+        trainer = OwnLoss(
+            model=model, args=_args(tmp_path, **logging), train_dataset=Data(), callbacks=[watch]
+        )
+        trainer.watch = watch if handed else None
+        trainer.train()
+        assert "training_step" not in vars(trainer)  # the Trainer's own is back
+        with Store(db) as store:
+            losses = store.metrics(recorder.run_id, values.STEP_LOSS)[1]
+        factor = 1.0 if handed else 2.0
+        np.testing.assert_allclose(losses, np.asarray(model.computed) * factor, rtol=1e-6)
+        if not handed:
+            np.testing.assert_allclose(losses, _logged(trainer), rtol=1e-6)
 
     class NoLoss(TinyModel):
         def forward(self, x: torch.Tensor, labels: Any = None) -> Any:  # type: ignore[override]
@@ -469,12 +484,124 @@ def test_a_loss_computed_outside_the_model_is_handed_over_or_named(tmp_path: Pat
         return nn.functional.mse_loss(outputs["logits"], labels)
 
     recorder = RunRecorder(db=db)
+    torch.manual_seed(0)
     trainer = Trainer(
-        model=NoLoss(TinyConfig()), args=_args(tmp_path, num_train_epochs=1),
+        model=NoLoss(TinyConfig()), args=_args(tmp_path, gradient_accumulation_steps=2, **logging),
         train_dataset=Data(), callbacks=[StepwatchCallback([recorder])], compute_loss_func=mse,
     )  # fmt: skip
+    trainer.train()
+    with Store(db) as store:
+        steps, losses = store.metrics(recorder.run_id, values.STEP_LOSS)
+        assert steps.tolist() == list(range(1, 9))
+        np.testing.assert_allclose(losses, _logged(trainer), rtol=1e-6)
+        assert store.run(recorder.run_id).status == "finished"
+
+
+class EveryStep(Callback):
+    """A user callback with a per-step hook: it notes cb_params.outputs at every step."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, Any] = {}
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        self.outputs[p.cur_step_num] = p.outputs
+
+
+class Printing(LossMonitor):
+    """LossMonitor, which runs where the step clock wakes it, noting cb_params.outputs there."""
+
+    def __init__(self, every: int) -> None:
+        super().__init__(every)
+        self.outputs: dict[int, Any] = {}
+
+    @on_clock
+    def on_train_step_end(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        self.outputs[p.cur_step_num] = p.outputs
+        super().on_train_step_end(run_context)
+
+
+def test_outputs_are_gathered_only_for_the_steps_a_callback_looks_at(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A callback that runs every step sees every step's outputs. Without one, the forward
+    hook that gathers them is on the model only for the steps the step clock wakes."""
+    hooks: list[int] = []
+
+    class Hooks(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            hooks.append(len(kw["model"]._forward_hooks))
+
+    every = EveryStep()
+    trainer = _trainer(tmp_path, [StepwatchCallback([every]), Hooks()], num_train_epochs=1)
+    trainer.train()
+    assert sorted(every.outputs) == list(range(1, 17)) and hooks == [1] * 16
+    for out in every.outputs.values():
+        assert out["logits"].shape == (BATCH, 1) and not out["logits"].requires_grad
+    assert not trainer.model._forward_hooks  # taken off when training ended
+
+    printing, hooks[:] = Printing(5), []
+    trainer = _trainer(tmp_path, [StepwatchCallback([printing]), Hooks()], num_train_epochs=1)
+    trainer.train()
+    assert "epoch: 1 step: 15, loss is" in capsys.readouterr().out
+    assert sorted(printing.outputs) == [5, 10, 15]
+    assert all(o["logits"].shape == (BATCH, 1) for o in printing.outputs.values())
+    assert hooks == [0] * 16  # on for those steps' forward only
+    assert not trainer.model._forward_hooks
+
+
+def _drive(watch: StepwatchCallback, model: nn.Module, args: TrainingArguments, steps: int) -> None:
+    """Call ``watch``'s hooks as a Trainer would, from a loop that is not a Trainer (the loss
+    is the model's, or computed here when the model gives none)."""
+    state, control = TrainerState(), TrainerControl()
+    state.num_train_epochs, state.max_steps = 1, steps
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = Data()
+    batches = [{"x": data.x[i : i + BATCH], "labels": data.y[i : i + BATCH]}
+               for i in range(0, steps * BATCH, BATCH)]  # fmt: skip
+    kw = {"model": model, "optimizer": optimizer, "lr_scheduler": None}
+    watch.on_train_begin(args, state, control, train_dataloader=batches, **kw)
+    watch.on_epoch_begin(args, state, control, **kw)
+    for batch in batches:
+        watch.on_step_begin(args, state, control, **kw)
+        out = model(**batch)
+        loss = out.get("loss")
+        if loss is None:
+            loss = nn.functional.mse_loss(out["logits"], batch["labels"])
+        loss.backward()
+        optimizer.step()
+        watch.on_optimizer_step(args, state, control, **kw)
+        optimizer.zero_grad()
+        state.global_step += 1
+        watch.on_step_end(args, state, control, **kw)
+    watch.on_epoch_end(args, state, control, **kw)
+    watch.on_train_end(args, state, control, **kw)
+
+
+def test_a_caller_that_is_not_a_trainer_gets_the_loss_off_the_models_forward(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    torch.manual_seed(0)
+    model = TinyModel(TinyConfig())
+    _drive(StepwatchCallback([recorder]), model, _args(tmp_path), 6)
+    assert not model._forward_hooks
+    with Store(db) as store:
+        steps, losses = store.metrics(recorder.run_id, values.STEP_LOSS)
+        assert steps.tolist() == list(range(1, 7))
+        np.testing.assert_allclose(losses, model.computed, rtol=1e-6)
+
+    class Outside(TinyModel):  # the loss is computed by the loop, outside the model
+        def forward(self, x: torch.Tensor, labels: Any = None) -> Any:  # type: ignore[override]
+            return {"logits": self.net(x)}
+
+    recorder = RunRecorder(db=db)
+    model = Outside(TinyConfig())
     with pytest.raises(RuntimeError, match=r"no loss in step 1 .*record_loss\(loss\)"):
-        trainer.train()
+        _drive(StepwatchCallback([recorder]), model, _args(tmp_path), 2)
+    assert not model._forward_hooks
     with Store(db) as store:
         assert store.run(recorder.run_id).status == "failed"
 

@@ -296,3 +296,34 @@ def test_a_loop_that_disagrees_with_what_it_told_watch_is_warned_once_each() -> 
     shown = [str(w.message) for w in seen]
     assert len(shown) == 1 and "epoch 1 has more steps than steps_per_epoch=3" in shown[0]
     assert run.cb_params.cur_step_num == 7  # the run's end sets it
+
+
+def test_the_run_says_ahead_which_steps_its_callbacks_look_at() -> None:
+    """``looks_next`` foresees the steps the step clock wakes the callbacks for (LossMonitor's
+    every 5th), so that a host can gather outputs for those steps only; a callback with a
+    per-step hook makes every step one."""
+
+    class Outputs(stepwatch.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, Any]] = []
+
+        def on_train_step_end(self, run_context: Any) -> None:
+            p = run_context.original_args()
+            self.seen.append((p.cur_step_num, p.outputs))
+
+    net = nn.Linear(4, 1)
+    for callbacks, every in (([LossMonitor(5)], False), ([Outputs()], True)):
+        ahead, looked = [], []
+        with stepwatch.watch(net, callbacks=callbacks, epochs=1, steps_per_epoch=12) as run:
+            assert run.looks_every_step is every
+            for step in range(1, 13):
+                ahead.append(run.looks_next)
+                run.step(torch.tensor(0.5), outputs=torch.full((1,), float(step)))
+                looked.append(run.cb_params.outputs is not None and
+                              int(run.cb_params.outputs) == step)  # fmt: skip
+        if every:
+            assert ahead == [True] * 12 and looked == [True] * 12
+            assert [s for s, _ in callbacks[0].seen] == list(range(1, 13))
+        else:
+            assert [i + 1 for i, a in enumerate(ahead) if a] == [5, 10]
+            assert [i + 1 for i, seen in enumerate(looked) if seen] == [5, 10]

@@ -18,16 +18,19 @@ do (``{'loss': ..., 'logits': ...}``, a ``ModelOutput``, or a tuple whose first 
 
 What the bridge reads from the Trainer:
 
-- **the loss, without a device sync.** The Trainer hands callbacks no loss, so the bridge
-  puts a forward hook on the model and keeps, for each micro-batch, the ``loss`` the model
-  returned while training (a detached device tensor: nothing is read on quiet steps). The
-  step's loss combines the micro-batches as the Trainer does: their mean, or their sum when the
-  Trainer passed ``num_items_in_batch`` (the model then normalised each over the whole
-  accumulated batch). That is the loss the Trainer logs, step by step, before its
-  ``logging_nan_inf_filter`` hides non-finite ones. A Trainer that computes the loss outside
-  the model (``compute_loss_func``, ``label_smoothing_factor``, a ``compute_loss`` of your
-  own) must hand it over: call :meth:`StepwatchCallback.record_loss` in ``compute_loss``;
-  without a loss the bridge stops the run with an error naming these ways.
+- **the loss, without a device sync.** The Trainer hands callbacks no loss. While it trains,
+  the bridge wraps the running Trainer's ``training_step`` (on that Trainer object only; it is
+  put back when training ends) and keeps what it returns for each micro-batch: the detached
+  loss the Trainer adds up for its own log (a device tensor: nothing is read on quiet steps).
+  The step's loss is their sum, as the Trainer adds them: the micro-batches' mean, or, for a
+  model normalised over the whole accumulated batch (``num_items_in_batch``), its whole loss.
+  That is the loss the Trainer logs, step by step, before its ``logging_nan_inf_filter`` hides
+  non-finite ones, however it was computed: by the model, ``compute_loss_func``,
+  ``label_smoothing_factor`` or a ``compute_loss`` of your own.
+  :meth:`StepwatchCallback.record_loss` hands over a different one. (Called by something that
+  is not a ``transformers.Trainer``, the bridge reads the ``loss`` the model returns through a
+  forward hook instead, combined the same way; a loss computed outside the model must then be
+  handed over with ``record_loss``, or the run stops with an error naming these ways.)
 - the step (``on_optimizer_step``: once per optimizer step, so one step spans all the
   gradient-accumulation micro-batches), the epoch, the steps per epoch
   (``ceil(len(train_dataloader) / gradient_accumulation_steps)``, or ``max_steps`` for a
@@ -44,9 +47,13 @@ What the bridge reads from the Trainer:
   are left out. With several evaluation datasets (a dict) the first one's values end the
   epoch (the monitors act on them) and the others are stored at the same step;
 - the rank and the number of processes (``args.process_index``, ``args.world_size``); the
-  run is recorded by rank 0. With several GPUs in one process (``DataParallel``,
-  ``n_gpu > 1``) the model's loss is seen once per replica: use one process per GPU.
+  run is recorded by rank 0.
 - the host config: ``args.to_dict()`` and ``model_config`` (the model's ``config``);
+- ``cb_params.outputs`` (the model's output, detached) at the steps the callbacks look at:
+  every step when one of them has a per-step hook (``on_train_step_begin``/``end``), else the
+  steps a monitor's wake is due (a forward hook is on the model for those steps only; at a
+  step woken by a NaN or an alarming loss it is None). ``train_dataset_element`` is the
+  micro-batch the Trainer's ``training_step`` got;
 - a run resumed with ``train(resume_from_checkpoint=...)`` is recorded from the
   checkpoint's step on (``state.global_step``).
 
@@ -80,6 +87,7 @@ import atexit
 import logging
 import math
 import sys
+import types
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,6 +115,11 @@ _TIMINGS = (
     "_model_preparation_time",
 )
 
+# How many callers up on_train_begin looks for the Trainer (its train loop is three up).
+_CALLERS = 8
+# What a Trainer's instance held under "training_step" when it had nothing of its own.
+_ABSENT = object()
+
 # The callbacks with a run open, closed as failed if the interpreter exits first.
 _OPEN: weakref.WeakSet[StepwatchCallback] = weakref.WeakSet()
 
@@ -130,7 +143,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             ``AnomalyMonitor``, ``LossMonitor``, ``ProgressBar``, your own stepwatch
             ``Callback`` subclasses, ...). They get stepwatch's cb_params: ``cur_step_num``
             (the optimizer step), ``cur_epoch_num``, ``net_outputs`` (the step's loss),
-            ``outputs`` (the model's output for the last micro-batch, detached) and the rest.
+            ``outputs`` (the model's output for the last micro-batch, detached, at the steps
+            they look at) and the rest.
 
     Raises:
         TypeError: ``callbacks`` is not a stepwatch Callback or a list of them.
@@ -154,7 +168,17 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._model: nn.Module | None = None
         self._optimizer: Any = None
         self._scheduler: Any = None
-        # The step being run: each micro-batch's loss, and the last one's outputs and inputs.
+        # The running Trainer whose training_step is wrapped (None: the forward hook reads the
+        # loss), and what its instance held under that name before.
+        self._trainer: Any = None
+        self._wrapper: Any = None
+        self._saved: Any = _ABSENT
+        self._outputs_hook = False  # the forward hook is on for this step's outputs only
+        # The step being run, from training_step: each micro-batch's loss as the Trainer adds
+        # it up, and the losses handed over with record_loss.
+        self._taken: list[torch.Tensor] = []
+        self._handed: list[torch.Tensor] = []
+        # Without a Trainer: each micro-batch's loss, from the model's forward.
         self._losses: list[torch.Tensor] = []
         self._missing = False  # a micro-batch gave no loss
         self._summed = False  # the micro-batches' losses add up (num_items_in_batch)
@@ -173,9 +197,11 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         """Hand over the loss of the current micro-batch, for a Trainer that computes it
         outside the model (``compute_loss_func``, label smoothing, your own ``compute_loss``).
 
-        Call it in ``compute_loss`` with the micro-batch's loss as a per-batch mean (the tensor
-        you return; it is detached, nothing is read). It replaces what the model returned;
-        the step's loss is the mean over its micro-batches.
+        The bridge records the loss the Trainer's ``training_step`` returns, however it was
+        computed; call this only to record a different one. Call it in ``compute_loss`` with
+        the micro-batch's loss as a per-batch mean (it is detached, nothing is read). It
+        replaces the Trainer's; the step's loss is the mean over the micro-batches that
+        handed one over.
 
         Args:
             loss: a one-value torch tensor.
@@ -185,7 +211,10 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         """
         check_loss("record_loss()", loss, "the micro-batch's loss tensor")
         if self._bridge.running and torch.is_grad_enabled():  # not an evaluation's loss
-            self._recorded = loss.detach()
+            if self._trainer is not None:
+                self._handed.append(loss.detach())
+            else:
+                self._recorded = loss.detach()
 
     # -- a failure, where the Trainer has no hook for it ---------------------------------------
     def __enter__(self) -> StepwatchCallback:
@@ -226,7 +255,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._evals, self._epoch_waits, self._epoch_done = {}, False, False
         sharded = bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
         torch_parts = isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-        if getattr(args, "n_gpu", 1) > 1:
+        trainer = _running_trainer(self)
+        if trainer is None and getattr(args, "n_gpu", 1) > 1:
             logger.warning(
                 "stepwatch: this Trainer runs %d GPUs in one process (DataParallel); the "
                 "bridge sees the model's loss once per replica. Run one process per GPU "
@@ -253,7 +283,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         atexit.unregister(_close_at_exit)
         atexit.register(_close_at_exit)  # after RunWriter's own exit handler: runs before it
         _OPEN.add(self)
-        if isinstance(model, nn.Module):
+        if trainer is not None:
+            self._wrap(trainer)
+        elif isinstance(model, nn.Module):
             self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
         done = int(state.global_step)  # > 0: resumed from a checkpoint, go on from its step
         try:
@@ -266,6 +298,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
                 initial_step=done,
                 initial_epoch=done // steps_per_epoch,
             )
+            run = self._bridge.run
+            if trainer is not None and run is not None and run.looks_every_step:
+                self._hook_outputs()  # a callback looks at every step's outputs
         except BaseException:
             self._release()
             raise
@@ -273,14 +308,20 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if self._losses or self._missing:
+        if self._taken or self._handed or self._losses or self._missing:
             self._reset_step()  # what a step that did not finish left
+        if self._trainer is not None and self._hook is None:
+            run = self._bridge.run
+            if run is not None and run.looks_next:  # the callbacks look: gather the outputs
+                self._hook_outputs()
+                self._outputs_hook = True
         return self._end_waiting_epoch(control) if self._epoch_waits else control
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self._close_micro_batch()
+        if self._trainer is None:
+            self._close_micro_batch()
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -289,11 +330,12 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         run = bridge.run
         if run is None:
             return control
-        loss = self._current
-        if loss is not None and not self._losses and self._recorded is None and not loss.ndim:
-            # The common step: one micro-batch, whose forward gave a 0-d loss (the rest of
-            # this hook's bookkeeping is for accumulation and record_loss).
-            self._current = None
+        taken = self._taken
+        if len(taken) == 1 and not self._handed and not taken[0].ndim:
+            # The common step: one micro-batch, whose training_step gave a 0-d loss (the rest
+            # of this hook's bookkeeping is for accumulation, record_loss and other callers).
+            loss = taken[0]
+            self._taken = []
             outputs, inputs = self._outputs, self._inputs
             self._outputs = self._inputs = None  # (the outputs may be large: not kept)
         else:
@@ -309,29 +351,46 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             raise
         finally:
             self._in_step = False
+            if self._outputs_hook:
+                self._outputs_hook = False
+                self._unhook()
         if run.should_stop:
             control.should_training_stop = True
         return control
 
     def _step_loss(self, state: TrainerState) -> tuple[torch.Tensor, Any, Any]:
         """The optimizer step's loss (over its micro-batches), outputs and inputs."""
-        self._close_micro_batch()
-        losses, missing = self._losses, self._missing
-        if missing or not losses:
-            exc = RuntimeError(
-                f"transformers.StepwatchCallback: the model returned no loss in step "
-                f"{state.global_step + 1} (its output holds no 'loss'): this Trainer computes "
-                "the loss outside the model (compute_loss_func, label_smoothing_factor or a "
-                "compute_loss of your own). Call this callback's record_loss(loss) in "
-                "compute_loss, or have the model return {'loss': ...}."
-            )
-            self._fail(exc)
-            raise exc
+        if self._trainer is not None:
+            handed, taken = self._handed, self._taken
+            losses = handed or [t.reshape(()) if t.numel() == 1 else t.mean() for t in taken]
+            summed = not handed  # the Trainer's losses add up; record_loss's are means
+            if not losses:  # a Trainer whose loop does not call training_step
+                exc = RuntimeError(
+                    f"transformers.StepwatchCallback: the Trainer's training_step gave no "
+                    f"loss in step {state.global_step + 1}: call this callback's "
+                    "record_loss(loss) where this Trainer computes its loss."
+                )
+                self._fail(exc)
+                raise exc
+        else:
+            self._close_micro_batch()
+            losses, summed = self._losses, self._summed
+            if self._missing or not losses:
+                exc = RuntimeError(
+                    f"transformers.StepwatchCallback: the model returned no loss in step "
+                    f"{state.global_step + 1} (its output holds no 'loss'): this trainer "
+                    "computes the loss outside the model (compute_loss_func, "
+                    "label_smoothing_factor or a compute_loss of your own). Call this "
+                    "callback's record_loss(loss) in compute_loss, or have the model return "
+                    "{'loss': ...}."
+                )
+                self._fail(exc)
+                raise exc
         if len(losses) == 1:
             loss = losses[0]
         else:
             stacked = torch.stack([t.detach() for t in losses])
-            loss = stacked.sum() if self._summed else stacked.mean()
+            loss = stacked.sum() if summed else stacked.mean()
         outputs, inputs = self._outputs, self._inputs
         self._reset_step()
         return loss, outputs, inputs
@@ -400,6 +459,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
 
     # -- the loss, from the model's forward ----------------------------------------------------
     def _reset_step(self) -> None:
+        self._taken = []
+        self._handed = []
         self._losses = []
         self._missing = False
         self._summed = False
@@ -408,9 +469,52 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._outputs = None
         self._inputs = None
 
+    def _wrap(self, trainer: Any) -> None:
+        """Keep what the running Trainer's ``training_step`` returns, micro-batch by
+        micro-batch, until :meth:`_release` puts its own back."""
+        inner = trainer.training_step  # the class's, or what the instance already holds
+        keep = self._keep
+
+        def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = inner(model, inputs, *args, **kwargs)
+            keep(loss, inputs)
+            return loss
+
+        self._saved = vars(trainer).get("training_step", _ABSENT)
+        trainer.training_step = self._wrapper = training_step
+        self._trainer = trainer
+
+    def _keep(self, loss: Any, inputs: Any) -> None:
+        """A micro-batch's loss, as the Trainer's training_step returned it (detached)."""
+        if self._bridge.run is not None and isinstance(loss, torch.Tensor):
+            self._taken.append(loss)
+            self._inputs = inputs
+
+    def _unwrap(self) -> None:
+        """Put back what the Trainer held as its ``training_step`` before :meth:`_wrap`."""
+        trainer, self._trainer = self._trainer, None
+        if trainer is not None and vars(trainer).get("training_step") is self._wrapper:
+            if self._saved is _ABSENT:
+                del trainer.training_step
+            else:
+                trainer.training_step = self._saved
+        self._wrapper, self._saved = None, _ABSENT
+
+    def _hook_outputs(self) -> None:
+        if isinstance(self._model, nn.Module) and self._hook is None:
+            self._hook = self._model.register_forward_hook(self._forward_hook, with_kwargs=True)
+
+    def _unhook(self) -> None:
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+
     def _forward_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not module.training or self._bridge.run is None or not torch.is_grad_enabled():
             return  # evaluation, prediction, or outside training
+        if self._trainer is not None:  # the loss comes from training_step
+            self._outputs = output
+            return
         self._current = _loss_of(output)  # read (or detached) by run.step
         # The Trainer's rule: a model given num_items_in_batch normalised the loss over the
         # whole accumulated batch, so the micro-batches' losses add up to the step's.
@@ -443,9 +547,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         return control
 
     def _release(self) -> None:
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
+        self._unhook()
+        self._outputs_hook = False
+        self._unwrap()
         _OPEN.discard(self)
 
     # -- snapshots: a Trainer checkpoint folder ------------------------------------------------
@@ -467,6 +571,31 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             torch.save(self._scheduler.state_dict(), folder / "scheduler.pt")
         if self._state is not None:
             self._state.save_to_json(str(folder / "trainer_state.json"))
+
+
+def _running_trainer(callback: StepwatchCallback) -> Any:
+    """The ``transformers.Trainer`` whose ``train()`` is calling ``callback``'s
+    ``on_train_begin`` (found among the callers), or None."""
+    module = sys.modules.get("transformers.trainer")
+    if module is None:  # no Trainer was ever made in this process
+        return None
+    try:
+        frame: types.FrameType | None = sys._getframe(2)
+    except ValueError:  # called from the outermost code: no Trainer above it
+        return None
+    try:
+        for _ in range(_CALLERS):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, module.Trainer):
+                handler = getattr(owner, "callback_handler", None)
+                listed = getattr(handler, "callbacks", ())
+                return owner if any(c is callback for c in listed) else None
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

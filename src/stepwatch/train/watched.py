@@ -122,6 +122,20 @@ class WatchedRun:
         """The current epoch, 1-based (0 before the first step)."""
         return int(self.cb_params.cur_epoch_num) if self._state != "new" else 0
 
+    @property
+    def looks_every_step(self) -> bool:
+        """True when a callback runs at every step (``on_train_step_begin``/``end``), so that
+        every :meth:`step` sets cb_params' per-step fields (``outputs`` among them)."""
+        return self._every_step
+
+    @property
+    def looks_next(self) -> bool:
+        """Whether the callbacks look at the next :meth:`step` as things stand: one of them runs
+        every step, or a monitor's wake is due then. (A loss above the tap's alarm, or NaN,
+        wakes them at a step this does not foresee.) A host that pays to gather ``outputs``
+        can gather them only for such steps."""
+        return self._every_step or self._step + 1 >= self._tap.wake
+
     # -- the run ---------------------------------------------------------------------------------
     def __enter__(self) -> WatchedRun:
         if self._state != "new":
