@@ -497,6 +497,20 @@ def test_a_loss_computed_outside_the_model_is_the_one_recorded(tmp_path: Path) -
         assert store.run(recorder.run_id).status == "finished"
 
 
+def test_two_bridges_on_one_trainer_both_record_and_both_come_off(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    first, second = RunRecorder(db=db), RunRecorder(db=db)
+    trainer = _trainer(
+        tmp_path, [StepwatchCallback([first]), StepwatchCallback([second])], num_train_epochs=1
+    )
+    trainer.train()
+    assert "training_step" not in vars(trainer)  # the Trainer's own again
+    with Store(db) as store:
+        a, b = (store.metrics(r.run_id, values.STEP_LOSS)[1] for r in (first, second))
+    np.testing.assert_allclose(a, _computed(trainer), rtol=1e-6)
+    np.testing.assert_array_equal(a, b)
+
+
 class EveryStep(Callback):
     """A user callback with a per-step hook: it notes cb_params.outputs at every step."""
 

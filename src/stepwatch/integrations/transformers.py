@@ -172,7 +172,6 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         # loss), and what its instance held under that name before.
         self._trainer: Any = None
         self._wrapper: Any = None
-        self._saved: Any = _ABSENT
         self._outputs_hook = False  # the forward hook is on for this step's outputs only
         # The step being run, from training_step: each micro-batch's loss as the Trainer adds
         # it up, and the losses handed over with record_loss.
@@ -480,7 +479,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             keep(loss, inputs)
             return loss
 
-        self._saved = vars(trainer).get("training_step", _ABSENT)
+        # Whose wrapper this is, and what the Trainer's instance held before: see _unwrap.
+        held = vars(trainer).get("training_step", _ABSENT)
+        training_step._stepwatch = (self, held)  # type: ignore[attr-defined]
         trainer.training_step = self._wrapper = training_step
         self._trainer = trainer
 
@@ -491,14 +492,22 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             self._inputs = inputs
 
     def _unwrap(self) -> None:
-        """Put back what the Trainer held as its ``training_step`` before :meth:`_wrap`."""
-        trainer, self._trainer = self._trainer, None
-        if trainer is not None and vars(trainer).get("training_step") is self._wrapper:
-            if self._saved is _ABSENT:
-                del trainer.training_step
-            else:
-                trainer.training_step = self._saved
-        self._wrapper, self._saved = None, _ABSENT
+        """Put back what the Trainer held as its ``training_step`` before :meth:`_wrap`. With
+        several bridges on one Trainer, the wrappers on top whose bridges let go all come off
+        (one below a live wrapper stays, passing the calls through, until that one goes)."""
+        trainer, self._trainer, self._wrapper = self._trainer, None, None
+        if trainer is None:
+            return
+        top = vars(trainer).get("training_step", _ABSENT)
+        while (mark := getattr(top, "_stepwatch", None)) is not None:
+            owner, held = mark
+            if owner._wrapper is top:  # a bridge still on: its wrapper and those below stay
+                break
+            top = held  # a wrapper whose bridge let go: what it wrapped
+        if top is _ABSENT:
+            vars(trainer).pop("training_step", None)
+        else:
+            trainer.training_step = top
 
     def _hook_outputs(self) -> None:
         if isinstance(self._model, nn.Module) and self._hook is None:
