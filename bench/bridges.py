@@ -144,12 +144,15 @@ class Inside:
 
 def timed(bridge: Any) -> Any:
     """``bridge`` with its own hooks (those its class defines, and what the Trainer bridge runs
-    inside the Trainer's ``training_step`` and its forward hook) timed into :attr:`Inside.ns`."""
+    inside the Trainer's ``training_step`` and in its forward hook) timed into
+    :attr:`Inside.ns`."""
     clock = time.perf_counter_ns
-    for name in vars(type(bridge)):
-        if not (name.startswith("on_") or name in ("_forward_hook", "_keep")):
-            continue
-        hook = getattr(bridge, name, None)
+    names = [(bridge, n) for n in vars(type(bridge)) if n.startswith("on_")]
+    step_loss = getattr(bridge, "_loss", None)  # the Trainer bridge's StepLoss
+    if step_loss is not None:
+        names += [(step_loss, "keep"), (step_loss, "forward_hook")]
+    for owner, name in names:
+        hook = getattr(owner, name, None)
         if not callable(hook):
             continue
 
@@ -160,7 +163,7 @@ def timed(bridge: Any) -> Any:
             finally:
                 Inside.ns += clock() - start
 
-        setattr(bridge, name, wrapper)
+        setattr(owner, name, wrapper)
     return bridge
 
 
@@ -521,12 +524,12 @@ def transformers_variants(
         # Trainer while the bridge is in.
         trainer = wrapped.pop(id(bridge), None)
         if trainer is not None:
-            bridge._wrap(trainer)
+            bridge._loss.wrap(trainer)
 
     def hook_off(bridge: Any) -> None:
-        if isinstance(bridge, StepwatchCallback) and bridge._trainer is not None:
-            wrapped[id(bridge)] = bridge._trainer
-            bridge._unwrap()
+        if isinstance(bridge, StepwatchCallback) and bridge._loss.trainer is not None:
+            wrapped[id(bridge)] = bridge._loss.trainer
+            bridge._loss.unwrap()
 
     def runner(
         callbacks: Callable[[], list[Any]], report_to: list[str], switch: bool = False

@@ -87,7 +87,6 @@ import atexit
 import logging
 import math
 import sys
-import types
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -101,6 +100,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .._tensor import check_loss
 from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 from ._transformers_checkpoint import write_checkpoint
+from ._transformers_loss import StepLoss, running_trainer
 
 __all__ = ["StepwatchCallback"]
 
@@ -114,11 +114,6 @@ _TIMINGS = (
     "_jit_compilation_time",
     "_model_preparation_time",
 )
-
-# How many callers up on_train_begin looks for the Trainer (its train loop is three up).
-_CALLERS = 8
-# What a Trainer's instance held under "training_step" when it had nothing of its own.
-_ABSENT = object()
 
 # The callbacks with a run open, closed as failed if the interpreter exits first.
 _OPEN: weakref.WeakSet[StepwatchCallback] = weakref.WeakSet()
@@ -162,29 +157,12 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
         self._bridge = Bridge(callbacks)
-        self._hook: Any = None
+        self._loss = StepLoss(self._bridge)  # the step's loss, outputs and inputs
         self._args: TrainingArguments | None = None
         self._state: TrainerState | None = None
         self._model: nn.Module | None = None
         self._optimizer: Any = None
         self._scheduler: Any = None
-        # The running Trainer whose training_step is wrapped (None: the forward hook reads the
-        # loss), and what its instance held under that name before.
-        self._trainer: Any = None
-        self._wrapper: Any = None
-        self._outputs_hook = False  # the forward hook is on for this step's outputs only
-        # The step being run, from training_step: each micro-batch's loss as the Trainer adds
-        # it up, and the losses handed over with record_loss.
-        self._taken: list[torch.Tensor] = []
-        self._handed: list[torch.Tensor] = []
-        # Without a Trainer: each micro-batch's loss, from the model's forward.
-        self._losses: list[torch.Tensor] = []
-        self._missing = False  # a micro-batch gave no loss
-        self._summed = False  # the micro-batches' losses add up (num_items_in_batch)
-        self._current: torch.Tensor | None = None  # the loss the model returned
-        self._recorded: torch.Tensor | None = None  # the loss record_loss handed over
-        self._outputs: Any = None
-        self._inputs: Any = None
         self._in_step = False
         self._unfinished: list[Path] = []  # snapshots whose step has not ended yet
         self._evals: dict[str, float] = {}  # this epoch's evaluation values
@@ -210,10 +188,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         """
         check_loss("record_loss()", loss, "the micro-batch's loss tensor")
         if self._bridge.running and torch.is_grad_enabled():  # not an evaluation's loss
-            if self._trainer is not None:
-                self._handed.append(loss.detach())
-            else:
-                self._recorded = loss.detach()
+            self._loss.record(loss)
 
     # -- a failure, where the Trainer has no hook for it ---------------------------------------
     def __enter__(self) -> StepwatchCallback:
@@ -249,12 +224,11 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             getattr(optimizer, "scaler", None) is None
         )
         self._may_skip = hasattr(optimizer, "step_was_skipped") and not plain
-        self._reset_step()
         self._in_step, self._unfinished = False, []
         self._evals, self._epoch_waits, self._epoch_done = {}, False, False
         sharded = bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
         torch_parts = isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-        trainer = _running_trainer(self)
+        trainer = running_trainer(self)
         if trainer is None and getattr(args, "n_gpu", 1) > 1:
             logger.warning(
                 "stepwatch: this Trainer runs %d GPUs in one process (DataParallel); the "
@@ -282,10 +256,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         atexit.unregister(_close_at_exit)
         atexit.register(_close_at_exit)  # after RunWriter's own exit handler: runs before it
         _OPEN.add(self)
-        if trainer is not None:
-            self._wrap(trainer)
-        elif isinstance(model, nn.Module):
-            self._hook = model.register_forward_hook(self._forward_hook, with_kwargs=True)
+        self._loss.attach(trainer, model)
         done = int(state.global_step)  # > 0: resumed from a checkpoint, go on from its step
         try:
             self._bridge.begin(
@@ -297,9 +268,6 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
                 initial_step=done,
                 initial_epoch=done // steps_per_epoch,
             )
-            run = self._bridge.run
-            if trainer is not None and run is not None and run.looks_every_step:
-                self._hook_outputs()  # a callback looks at every step's outputs
         except BaseException:
             self._release()
             raise
@@ -307,20 +275,13 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        if self._taken or self._handed or self._losses or self._missing:
-            self._reset_step()  # what a step that did not finish left
-        if self._trainer is not None and self._hook is None:
-            run = self._bridge.run
-            if run is not None and run.looks_next:  # the callbacks look: gather the outputs
-                self._hook_outputs()
-                self._outputs_hook = True
+        self._loss.begin_step(self._bridge.run)
         return self._end_waiting_epoch(control) if self._epoch_waits else control
 
     def on_substep_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._trainer is None:
-            self._close_micro_batch()
+        self._loss.close_micro_batch()
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -329,16 +290,21 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         run = bridge.run
         if run is None:
             return control
-        taken = self._taken
-        if len(taken) == 1 and not self._handed and not taken[0].ndim:
+        step = self._loss
+        taken = step.taken
+        if len(taken) == 1 and not step.handed and not taken[0].ndim:
             # The common step: one micro-batch, whose training_step gave a 0-d loss (the rest
-            # of this hook's bookkeeping is for accumulation, record_loss and other callers).
+            # of StepLoss's bookkeeping is for accumulation, record_loss and other callers).
             loss = taken[0]
-            self._taken = []
-            outputs, inputs = self._outputs, self._inputs
-            self._outputs = self._inputs = None  # (the outputs may be large: not kept)
+            step.taken = []
+            outputs, inputs = step.outputs, step.inputs
+            step.outputs = step.inputs = None  # (the outputs may be large: not kept)
         else:
-            loss, outputs, inputs = self._step_loss(state)
+            try:
+                loss, outputs, inputs = step.take(state.global_step + 1)
+            except RuntimeError as exc:
+                self._fail(exc)
+                raise
         if self._may_skip:  # fp16 on a GPU: accelerate's optimizer may skip an overflow
             run.cb_params.optimizer_stepped = not self._optimizer.step_was_skipped
         self._in_step = True
@@ -350,49 +316,10 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             raise
         finally:
             self._in_step = False
-            if self._outputs_hook:
-                self._outputs_hook = False
-                self._unhook()
+            step.end_step(run)
         if run.should_stop:
             control.should_training_stop = True
         return control
-
-    def _step_loss(self, state: TrainerState) -> tuple[torch.Tensor, Any, Any]:
-        """The optimizer step's loss (over its micro-batches), outputs and inputs."""
-        if self._trainer is not None:
-            handed, taken = self._handed, self._taken
-            losses = handed or [t.reshape(()) if t.numel() == 1 else t.mean() for t in taken]
-            summed = not handed  # the Trainer's losses add up; record_loss's are means
-            if not losses:  # a Trainer whose loop does not call training_step
-                exc = RuntimeError(
-                    f"transformers.StepwatchCallback: the Trainer's training_step gave no "
-                    f"loss in step {state.global_step + 1}: call this callback's "
-                    "record_loss(loss) where this Trainer computes its loss."
-                )
-                self._fail(exc)
-                raise exc
-        else:
-            self._close_micro_batch()
-            losses, summed = self._losses, self._summed
-            if self._missing or not losses:
-                exc = RuntimeError(
-                    f"transformers.StepwatchCallback: the model returned no loss in step "
-                    f"{state.global_step + 1} (its output holds no 'loss'): this trainer "
-                    "computes the loss outside the model (compute_loss_func, "
-                    "label_smoothing_factor or a compute_loss of your own). Call this "
-                    "callback's record_loss(loss) in compute_loss, or have the model return "
-                    "{'loss': ...}."
-                )
-                self._fail(exc)
-                raise exc
-        if len(losses) == 1:
-            loss = losses[0]
-        else:
-            stacked = torch.stack([t.detach() for t in losses])
-            loss = stacked.sum() if summed else stacked.mean()
-        outputs, inputs = self._outputs, self._inputs
-        self._reset_step()
-        return loss, outputs, inputs
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -456,95 +383,6 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._release()
         self._bridge.end()
 
-    # -- the loss, from the model's forward ----------------------------------------------------
-    def _reset_step(self) -> None:
-        self._taken = []
-        self._handed = []
-        self._losses = []
-        self._missing = False
-        self._summed = False
-        self._current = None
-        self._recorded = None
-        self._outputs = None
-        self._inputs = None
-
-    def _wrap(self, trainer: Any) -> None:
-        """Keep what the running Trainer's ``training_step`` returns, micro-batch by
-        micro-batch, until :meth:`_release` puts its own back."""
-        inner = trainer.training_step  # the class's, or what the instance already holds
-        keep = self._keep
-
-        def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            loss = inner(model, inputs, *args, **kwargs)
-            keep(loss, inputs)
-            return loss
-
-        # Whose wrapper this is, and what the Trainer's instance held before: see _unwrap.
-        held = vars(trainer).get("training_step", _ABSENT)
-        training_step._stepwatch = (self, held)  # type: ignore[attr-defined]
-        trainer.training_step = self._wrapper = training_step
-        self._trainer = trainer
-
-    def _keep(self, loss: Any, inputs: Any) -> None:
-        """A micro-batch's loss, as the Trainer's training_step returned it (detached)."""
-        if self._bridge.run is not None and isinstance(loss, torch.Tensor):
-            self._taken.append(loss)
-            self._inputs = inputs
-
-    def _unwrap(self) -> None:
-        """Put back what the Trainer held as its ``training_step`` before :meth:`_wrap`. With
-        several bridges on one Trainer, the wrappers on top whose bridges let go all come off
-        (one below a live wrapper stays, passing the calls through, until that one goes)."""
-        trainer, self._trainer, self._wrapper = self._trainer, None, None
-        if trainer is None:
-            return
-        top = vars(trainer).get("training_step", _ABSENT)
-        while (mark := getattr(top, "_stepwatch", None)) is not None:
-            owner, held = mark
-            if owner._wrapper is top:  # a bridge still on: its wrapper and those below stay
-                break
-            top = held  # a wrapper whose bridge let go: what it wrapped
-        if top is _ABSENT:
-            vars(trainer).pop("training_step", None)
-        else:
-            trainer.training_step = top
-
-    def _hook_outputs(self) -> None:
-        if isinstance(self._model, nn.Module) and self._hook is None:
-            self._hook = self._model.register_forward_hook(self._forward_hook, with_kwargs=True)
-
-    def _unhook(self) -> None:
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            hook.remove()
-
-    def _forward_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not module.training or self._bridge.run is None or not torch.is_grad_enabled():
-            return  # evaluation, prediction, or outside training
-        if self._trainer is not None:  # the loss comes from training_step
-            self._outputs = output
-            return
-        self._current = _loss_of(output)  # read (or detached) by run.step
-        # The Trainer's rule: a model given num_items_in_batch normalised the loss over the
-        # whole accumulated batch, so the micro-batches' losses add up to the step's.
-        self._summed = kwargs.get("num_items_in_batch") is not None
-        self._outputs = output  # detached when the run looks at the step (run.step)
-        if "num_items_in_batch" in kwargs:
-            kwargs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
-        self._inputs = kwargs or args
-
-    def _close_micro_batch(self) -> None:
-        loss = self._recorded if self._recorded is not None else self._current
-        if self._recorded is not None:
-            self._summed = False  # record_loss takes per-batch means
-        if loss is None:
-            self._missing = True
-        else:
-            if loss.dim():
-                loss = loss.mean() if loss.numel() != 1 else loss.reshape(())
-            self._losses.append(loss)
-        self._current = self._recorded = None
-
     # -- epochs ---------------------------------------------------------------------------------
     def _end_waiting_epoch(self, control: TrainerControl) -> TrainerControl:
         if not self._epoch_waits or not self._bridge.running:
@@ -556,9 +394,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         return control
 
     def _release(self) -> None:
-        self._unhook()
-        self._outputs_hook = False
-        self._unwrap()
+        self._loss.release()
         _OPEN.discard(self)
 
     # -- snapshots: a Trainer checkpoint folder ------------------------------------------------
@@ -580,43 +416,6 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             torch.save(self._scheduler.state_dict(), folder / "scheduler.pt")
         if self._state is not None:
             self._state.save_to_json(str(folder / "trainer_state.json"))
-
-
-def _running_trainer(callback: StepwatchCallback) -> Any:
-    """The ``transformers.Trainer`` whose ``train()`` is calling ``callback``'s
-    ``on_train_begin`` (found among the callers), or None."""
-    module = sys.modules.get("transformers.trainer")
-    if module is None:  # no Trainer was ever made in this process
-        return None
-    try:
-        frame: types.FrameType | None = sys._getframe(2)
-    except ValueError:  # called from the outermost code: no Trainer above it
-        return None
-    try:
-        for _ in range(_CALLERS):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, module.Trainer):
-                handler = getattr(owner, "callback_handler", None)
-                listed = getattr(handler, "callbacks", ())
-                return owner if any(c is callback for c in listed) else None
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in a model's output, as the Trainer finds it: ``output['loss']`` of a dict
-    (a ``ModelOutput``), else the first item of a tuple."""
-    if type(output) is dict or isinstance(output, Mapping):
-        loss = output.get("loss")
-    elif isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    else:
-        loss = None
-    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _steps_per_epoch(args: TrainingArguments, state: TrainerState, loader: Any) -> int:

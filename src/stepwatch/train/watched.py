@@ -123,17 +123,9 @@ class WatchedRun:
         return int(self.cb_params.cur_epoch_num) if self._state != "new" else 0
 
     @property
-    def looks_every_step(self) -> bool:
-        """True when a callback runs at every step (``on_train_step_begin``/``end``), so that
-        every :meth:`step` sets cb_params' per-step fields (``outputs`` among them)."""
-        return self._every_step
-
-    @property
     def looks_next(self) -> bool:
-        """Whether the callbacks look at the next :meth:`step` as things stand: one of them runs
-        every step, or a monitor's wake is due then. (A loss above the tap's alarm, or NaN,
-        wakes them at a step this does not foresee.) A host that pays to gather ``outputs``
-        can gather them only for such steps."""
+        """Whether the callbacks look at the next :meth:`step`, as far as can be foreseen (a
+        loss above the tap's alarm, or NaN, wakes them unforeseen): gather outputs for it."""
         return self._every_step or self._step + 1 >= self._tap.wake
 
     # -- the run ---------------------------------------------------------------------------------
