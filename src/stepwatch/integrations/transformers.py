@@ -13,8 +13,9 @@ Trainer callback::
     with watch:  # optional: a failure inside train() is stored as 'failed' right away
         trainer.train()
 
-then ``stepwatch serve runs.db`` shows the run. The model returns its loss, as Trainer models
-do (``{'loss': ..., 'logits': ...}``, a ``ModelOutput``, or a tuple whose first item is it).
+then ``stepwatch serve runs.db`` shows the run. The loss is the Trainer's, however it computes
+it: the model's (``{'loss': ..., 'logits': ...}``, a ``ModelOutput``, or a tuple whose first
+item is it), ``compute_loss_func``'s, label smoothing's or your own ``compute_loss``'s.
 
 What the bridge reads from the Trainer:
 
