@@ -145,7 +145,8 @@ class Inside:
 def timed(bridge: Any) -> Any:
     """``bridge`` with its own hooks (those its class defines, and what the Trainer bridge runs
     inside the Trainer's ``training_step`` and in its forward hook) timed into
-    :attr:`Inside.ns`."""
+    :attr:`Inside.ns` (the call of the Trainer bridge's ``training_step`` wrapper itself is
+    not: the switched fits count it)."""
     clock = time.perf_counter_ns
     names = [(bridge, n) for n in vars(type(bridge)) if n.startswith("on_")]
     step_loss = getattr(bridge, "_loss", None)  # the Trainer bridge's StepLoss
@@ -530,6 +531,8 @@ def transformers_variants(
         if isinstance(bridge, StepwatchCallback) and bridge._loss.trainer is not None:
             wrapped[id(bridge)] = bridge._loss.trainer
             bridge._loss.unwrap()
+            bridge._loss.unhook()  # the forward hook for outputs, if the last step left it on
+            bridge._loss.outputs_hook = False
 
     def runner(
         callbacks: Callable[[], list[Any]], report_to: list[str], switch: bool = False

@@ -511,6 +511,66 @@ def test_two_bridges_on_one_trainer_both_record_and_both_come_off(tmp_path: Path
     np.testing.assert_array_equal(a, b)
 
 
+class FailsOnce(Callback):
+    """Raises in its first epoch-end hook."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def on_train_epoch_end(self, run_context: Any) -> None:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("epoch end failed")
+
+
+class HoldsTrainingStep(TrainerCallback):
+    """Another tool that wraps the Trainer's training_step while it trains and puts back what
+    it found when training ends."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        trainer = self.trainer
+        self.held, inner = vars(trainer).get("training_step"), trainer.training_step
+        trainer.training_step = lambda *a, **k: inner(*a, **k)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.held is None:
+            vars(self.trainer).pop("training_step", None)
+        else:
+            self.trainer.training_step = self.held
+
+
+def test_each_loss_is_kept_once_after_a_failed_run_and_beside_another_wrapper(
+    tmp_path: Path,
+) -> None:
+    """A run that a stepwatch callback failed (the bridge ended it) lets go of the Trainer; a
+    wrapper of ours left under another tool's passes the calls through."""
+    db = tmp_path / "runs.db"
+    recorder = RunRecorder(db=db)
+    trainer = _trainer(tmp_path, [StepwatchCallback([recorder, FailsOnce()])], num_train_epochs=1)
+    with pytest.raises(RuntimeError, match="epoch end failed"):
+        trainer.train()
+    assert "training_step" not in vars(trainer) and not trainer.model._forward_hooks
+    del _computed(trainer)[:]
+    trainer.train()
+    with Store(db) as store:
+        losses = store.metrics(recorder.run_id, values.STEP_LOSS)[1]
+    np.testing.assert_allclose(losses, _computed(trainer)[-16:], rtol=1e-6)
+
+    other = HoldsTrainingStep()
+    recorder = RunRecorder(db=db)
+    trainer = _trainer(tmp_path, [StepwatchCallback([recorder]), other], num_train_epochs=1)
+    other.trainer = trainer
+    for _ in range(2):
+        del _computed(trainer)[:]
+        trainer.train()
+    with Store(db) as store:
+        losses = store.metrics(recorder.run_id, values.STEP_LOSS)[1]
+    np.testing.assert_allclose(losses, _computed(trainer), rtol=1e-6)
+
+
 class EveryStep(Callback):
     """A user callback with a per-step hook: it notes cb_params.outputs at every step."""
 

@@ -41,6 +41,7 @@ class StepLoss:
         self.wrapper: Any = None
         self.hook: Any = None  # the forward hook, while it is on the model
         self.outputs_hook = False  # ... on for this step's outputs only
+        self.most = 1  # the micro-batches of a step: at most as many losses are kept
         # From training_step: each micro-batch's loss as the Trainer adds it up; and the
         # losses handed over with record_loss.
         self.taken: list[torch.Tensor] = []
@@ -55,10 +56,12 @@ class StepLoss:
         self.inputs: Any = None
 
     # -- the run's start and end ----------------------------------------------------------------
-    def attach(self, trainer: Any, model: Any) -> None:
+    def attach(self, trainer: Any, model: Any, accumulation: int = 1) -> None:
         """Read the losses from ``trainer``'s training_step, or, with no Trainer, from
-        ``model``'s forward."""
+        ``model``'s forward; ``accumulation``: the micro-batches of a step."""
+        self.release()  # what a run that ended without letting go still held
         self.model = model if isinstance(model, nn.Module) else None
+        self.most = max(1, int(accumulation))
         self.reset()
         if trainer is not None:
             self.wrap(trainer)
@@ -78,7 +81,8 @@ class StepLoss:
 
         def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             loss = inner(model, inputs, *args, **kwargs)
-            keep(loss, inputs)
+            if self.wrapper is training_step:  # else a wrapper let go, left below another
+                keep(loss, inputs)
             return loss
 
         # Whose wrapper this is, and what the Trainer's instance held before: see unwrap.
@@ -135,7 +139,10 @@ class StepLoss:
     def keep(self, loss: Any, inputs: Any) -> None:
         """A micro-batch's loss, as the Trainer's training_step returned it (detached)."""
         if self._bridge.run is not None and isinstance(loss, torch.Tensor):
-            self.taken.append(loss)
+            taken = self.taken
+            if len(taken) >= self.most:  # steps go by unseen: the callback left the Trainer
+                del taken[0]
+            taken.append(loss)
             self.inputs = inputs
 
     def record(self, loss: torch.Tensor) -> None:

@@ -21,12 +21,13 @@ What the bridge reads from the Trainer:
 
 - **the loss, without a device sync.** The Trainer hands callbacks no loss. While it trains,
   the bridge wraps the running Trainer's ``training_step`` (on that Trainer object only; it is
-  put back when training ends) and keeps what it returns for each micro-batch: the detached
-  loss the Trainer adds up for its own log (a device tensor: nothing is read on quiet steps).
-  The step's loss is their sum, as the Trainer adds them: the micro-batches' mean, or, for a
-  model normalised over the whole accumulated batch (``num_items_in_batch``), its whole loss.
-  That is the loss the Trainer logs, step by step, before its ``logging_nan_inf_filter`` hides
-  non-finite ones, however it was computed: by the model, ``compute_loss_func``,
+  put back when training ends, or fails inside ``with callback:``; after a failure outside it,
+  at this callback's next ``train()``) and keeps what it returns for each micro-batch: the
+  detached loss the Trainer adds up for its own log (a device tensor: nothing is read on quiet
+  steps). The step's loss is their sum, as the Trainer adds them: the micro-batches' mean, or,
+  for a model normalised over the whole accumulated batch (``num_items_in_batch``), its whole
+  loss. That is the loss the Trainer logs, step by step, before its ``logging_nan_inf_filter``
+  hides non-finite ones, however it was computed: by the model, ``compute_loss_func``,
   ``label_smoothing_factor`` or a ``compute_loss`` of your own.
   :meth:`StepwatchCallback.record_loss` hands over a different one. (Called by something that
   is not a ``transformers.Trainer``, the bridge reads the ``loss`` the model returns through a
@@ -53,8 +54,9 @@ What the bridge reads from the Trainer:
 - ``cb_params.outputs`` (the model's output, detached) at the steps the callbacks look at:
   every step when one of them has a per-step hook (``on_train_step_begin``/``end``), else the
   steps a monitor's wake is due (a forward hook is on the model for those steps only; at a
-  step woken by a NaN or an alarming loss it is None). ``train_dataset_element`` is the
-  micro-batch the Trainer's ``training_step`` got;
+  step woken by a NaN or an alarming loss it is None; with several GPUs in one process,
+  ``DataParallel``, one replica's share). ``train_dataset_element`` is the micro-batch the
+  Trainer's ``training_step`` got;
 - a run resumed with ``train(resume_from_checkpoint=...)`` is recorded from the
   checkpoint's step on (``state.global_step``).
 
@@ -172,14 +174,17 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
 
     # -- what a Trainer with its own loss calls ------------------------------------------------
     def record_loss(self, loss: torch.Tensor) -> None:
-        """Hand over the loss of the current micro-batch, for a Trainer that computes it
-        outside the model (``compute_loss_func``, label smoothing, your own ``compute_loss``).
+        """Hand over a loss of your own for the current micro-batch, to record instead of the
+        Trainer's.
 
         The bridge records the loss the Trainer's ``training_step`` returns, however it was
-        computed; call this only to record a different one. Call it in ``compute_loss`` with
-        the micro-batch's loss as a per-batch mean (it is detached, nothing is read). It
-        replaces the Trainer's; the step's loss is the mean over the micro-batches that
-        handed one over.
+        computed (the model, ``compute_loss_func``, label smoothing, your own
+        ``compute_loss``); call this only to record a different one. Call it once per
+        micro-batch, in ``compute_loss``, with the micro-batch's loss as a per-batch mean (it
+        is detached, nothing is read). The step's loss is then the mean of what was handed
+        over in its micro-batches. (Called by something that is not a Trainer, the bridge
+        reads the model's loss from its forward, and a loss computed outside the model must
+        be handed over this way.)
 
         Args:
             loss: a one-value torch tensor.
@@ -257,7 +262,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         atexit.unregister(_close_at_exit)
         atexit.register(_close_at_exit)  # after RunWriter's own exit handler: runs before it
         _OPEN.add(self)
-        self._loss.attach(trainer, model)
+        self._loss.attach(trainer, model, args.gradient_accumulation_steps)
         done = int(state.global_step)  # > 0: resumed from a checkpoint, go on from its step
         try:
             self._bridge.begin(
@@ -390,7 +395,12 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             return control
         self._epoch_waits, self._epoch_done = False, True
         values, self._evals = self._evals, {}
-        if self._bridge.epoch_end(values):
+        try:
+            stop = self._bridge.epoch_end(values)
+        except BaseException:  # the bridge ended the run: let go of the Trainer and model too
+            self._release()
+            raise
+        if stop:
             control.should_training_stop = True
         return control
 
