@@ -110,7 +110,8 @@ class StepLoss:
             trainer.training_step = top
 
     def hook_outputs(self) -> None:
-        """Put the forward hook on the model (for its outputs, under a Trainer)."""
+        """Put the forward hook on the model (under a Trainer: for the outputs of a step the
+        callbacks look at; the bridge calls this as the step begins, and end_step)."""
         if self.model is not None and self.hook is None:
             self.hook = self.model.register_forward_hook(self.forward_hook, with_kwargs=True)
 
@@ -120,15 +121,6 @@ class StepLoss:
             hook.remove()
 
     # -- each step --------------------------------------------------------------------------------
-    def begin_step(self, run: Any) -> None:
-        """A step begins: drop what a step that did not finish left; under a Trainer, gather
-        this step's outputs if the callbacks look at it."""
-        if self.taken or self.handed or self.losses or self.missing:
-            self.reset()
-        if self.trainer is not None and self.hook is None and run is not None and run.looks_next:
-            self.hook_outputs()
-            self.outputs_hook = True
-
     def end_step(self, run: Any) -> None:
         """The step's hooks ran: the forward hook put on for this step comes off, unless the
         callbacks look at the next one too (every step, when one of them runs every step)."""

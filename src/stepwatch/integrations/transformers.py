@@ -281,7 +281,14 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        self._loss.begin_step(self._bridge.run)
+        step = self._loss
+        if step.taken or step.handed or step.losses or step.missing:
+            step.reset()  # what a step that did not finish left
+        if step.hook is None and step.trainer is not None:
+            run = self._bridge.run
+            if run is not None and run.looks_next:  # the callbacks look: gather the outputs
+                step.hook_outputs()
+                step.outputs_hook = True
         return self._end_waiting_epoch(control) if self._epoch_waits else control
 
     def on_substep_end(
@@ -322,7 +329,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             raise
         finally:
             self._in_step = False
-            step.end_step(run)
+            if step.outputs_hook:
+                step.end_step(run)
         if run.should_stop:
             control.should_training_stop = True
         return control
