@@ -530,9 +530,7 @@ def transformers_variants(
     def hook_off(bridge: Any) -> None:
         if isinstance(bridge, StepwatchCallback) and bridge._loss.trainer is not None:
             wrapped[id(bridge)] = bridge._loss.trainer
-            bridge._loss.unwrap()
-            bridge._loss.unhook()  # the forward hook for outputs, if the last step left it on
-            bridge._loss.outputs_hook = False
+            bridge._loss.release()  # the wrapper, and the outputs hook if a step left it on
 
     def runner(
         callbacks: Callable[[], list[Any]], report_to: list[str], switch: bool = False

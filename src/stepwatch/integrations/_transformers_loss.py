@@ -111,7 +111,7 @@ class StepLoss:
 
     def hook_outputs(self) -> None:
         """Put the forward hook on the model (under a Trainer: for the outputs of a step the
-        callbacks look at; the bridge calls this as the step begins, and end_step)."""
+        callbacks look at, from the bridge's on_step_begin; end_step takes it off)."""
         if self.model is not None and self.hook is None:
             self.hook = self.model.register_forward_hook(self.forward_hook, with_kwargs=True)
 
