@@ -99,7 +99,8 @@ import torch
 
 from .._validation import _got
 from ..distributed import rank_and_world
-from ._bridge import Bridge, BridgeFace, Host, HostOptimizer, clean_config, host_values
+from ..view.host import HostControls
+from ._bridge import Bridge, BridgeFace, Host, RateFunctions, clean_config, host_values
 from ._keras_state import capture, restore
 
 __all__ = ["ScaledSchedule", "StepwatchCallback"]
@@ -295,7 +296,7 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
             callback among them, or a callback class instead of an instance).
 
     Attributes:
-        run: the stepwatch run of the latest ``fit`` (a ``WatchedRun``), in progress or
+        run: the stepwatch run of the latest ``fit`` (a ``RunEngine``), in progress or
             ended, or None before the first.
         stop_reason: why a stepwatch callback stopped it, or None.
     """
@@ -345,34 +346,27 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
                 "gradients; the gradient detectors are off"
             )
         rank, world = rank_and_world()
-        host = Host(
-            name="keras",
-            network=model,
-            optimizer=(
-                HostOptimizer(optimizer, self._rate.get, self._rate.set)
-                if self._rate is not None
-                else None
-            ),
-            grads=not scaled,
-            restores=True,
+        rate = self._rate
+        controls = HostControls(
+            "keras",
+            state=_KerasState(self, model),
+            rates=RateFunctions(rate.get, rate.set) if rate is not None else None,
             save=self._save,
+            grads=not scaled,
             config=clean_config(_config(model, params)),
-            rank=rank,
-            world=world,
-            capture=lambda: capture(model),
-            restore=lambda saved: self._restore(model, saved),
         )
+        host = Host(controls, network=model, optimizer=optimizer, rank=rank, world=world)
         try:
-            run = self._bridge.begin(
+            self._bridge.begin(
                 host,
                 epochs=epochs,
                 steps_per_epoch=int(steps),
+                loss_fn=getattr(model, "loss", None),
                 initial_step=_iterations(model),  # a model trained before counts on
             )
         except BaseException:
             self._uninstall()
             raise
-        run.cb_params.loss_fn = getattr(model, "loss", None)
 
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self._rate is not None:
@@ -478,6 +472,20 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
             if partial.exists():
                 partial.unlink()
         return final
+
+
+class _KerasState:
+    """The Keras model's state for rollback (:class:`~stepwatch.view.host.StateControl`):
+    its weights and optimizer variables, copied and assigned back in place."""
+
+    def __init__(self, bridge: StepwatchCallback, model: Any) -> None:
+        self._bridge, self._model = bridge, model
+
+    def capture(self) -> list[Any]:
+        return capture(self._model)
+
+    def restore(self, saved: list[Any]) -> None:
+        self._bridge._restore(self._model, saved)
 
 
 def _config(model: Any, params: Mapping[str, Any]) -> dict[str, Any]:

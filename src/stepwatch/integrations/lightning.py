@@ -111,6 +111,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleD
 from torch import nn
 
 from ..monitor import values as names
+from ..train.engine import torch_controls
 from ..train.serialization import TMP_PREFIX
 from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 
@@ -159,7 +160,7 @@ class StepwatchCallback(BridgeFace, pl.Callback):
             an instance belongs, a Lightning callback, a number, ...).
 
     Attributes:
-        run: the stepwatch run of the latest fit (a ``WatchedRun``), in progress or ended, or
+        run: the stepwatch run of the latest fit (a ``RunEngine``), in progress or ended, or
             None before the first fit trains.
         stop_reason: why a stepwatch callback stopped it, or None.
     """
@@ -191,24 +192,26 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         scheduler = configs[0].scheduler if configs else None
         steps_per_epoch = _steps_per_epoch(trainer, self._accumulate)
         world = int(trainer.world_size)
-        host = Host(
-            name="lightning",
-            network=pl_module,
-            optimizer=optimizer,
-            grads=self._automatic and optimizer is not None,
+        loader = trainer.train_dataloader
+        dataset = loader if isinstance(loader, torch.utils.data.DataLoader) else None
+        controls = torch_controls(
+            "lightning",
+            pl_module,
+            optimizer,
+            lr_scheduler=scheduler,
+            loss_scaler=getattr(trainer.precision_plugin, "scaler", None),
+            dataset=dataset,
             restores=_restores(trainer, pl_module, optimizers),
+            grads=self._automatic and optimizer is not None,
             save=_saver(trainer) if world == 1 else None,
             config=clean_config(_config(trainer, pl_module, scheduler)),
-            rank=int(trainer.global_rank),
-            world=world,
-            loss_scaler=getattr(trainer.precision_plugin, "scaler", None),
         )
-        loader = trainer.train_dataloader
+        host = Host(controls, pl_module, optimizer, rank=int(trainer.global_rank), world=world)
         self._bridge.begin(
             host,
             epochs=_epochs(trainer, steps_per_epoch),
             steps_per_epoch=steps_per_epoch,
-            dataset=loader if isinstance(loader, torch.utils.data.DataLoader) else None,
+            dataset=dataset,
             lr_scheduler=scheduler,
             initial_step=self._seen_step,  # a fit resumed from a checkpoint goes on from it
             initial_epoch=int(trainer.current_epoch),

@@ -62,7 +62,8 @@ import numpy as np
 import torch
 
 from ..monitor import values as names
-from ._bridge import Bridge, BridgeFace, Host, HostOptimizer, clean_config
+from ..view.host import HostControls
+from ._bridge import Bridge, BridgeFace, Host, RateFunctions, clean_config
 
 __all__ = ["StepwatchCallback"]
 
@@ -83,7 +84,7 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         TypeError: ``callbacks`` is not a stepwatch Callback or a list of them.
 
     Attributes:
-        run: the stepwatch run of the latest training (a ``WatchedRun``), or None.
+        run: the stepwatch run of the latest training (a ``RunEngine``), or None.
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
@@ -98,30 +99,32 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         world = int(p.get("device_number", 1) or 1)
         optimizer = p.get("optimizer")
         train_network = _first(p, "train_network", "network")
-        host = Host(
-            name="mindspore",
-            network=_first(p, "network", "train_network"),
-            optimizer=_lr_face(optimizer) if optimizer is not None else None,
-            grads=False,
-            restores=True,
+        controls = HostControls(
+            "mindspore",
+            state=_CellState(train_network),
+            rates=_rates(optimizer) if optimizer is not None else None,
             save=self._saver(p),
+            grads=False,  # MindSpore's gradients are not torch tensors
             config=clean_config(_config(p)),
+        )
+        host = Host(
+            controls,
+            network=_first(p, "network", "train_network"),
+            optimizer=optimizer,
             rank=_rank() if world > 1 else 0,
             world=world,
-            capture=lambda: _capture(train_network),
-            restore=lambda saved: _restore(train_network, saved),
         )
         self._context = run_context
-        run = self._bridge.begin(
+        self._bridge.begin(
             host,
             # MindSpore's epoch_num is what this call trains (epoch - initial_epoch); a
             # resumed run's first epoch number is known when it begins.
             epochs=int(p.get("epoch_num", 1) or 1),
             steps_per_epoch=int(p.get("batch_num", 1) or 1),
             initial_step=int(p.get("cur_step_num", 0) or 0),
+            dataset=p.get("train_dataset"),
+            loss_fn=p.get("loss_fn"),
         )
-        run.cb_params.train_dataset = p.get("train_dataset")
-        run.cb_params.loss_fn = p.get("loss_fn")
         if p.get("dataset_sink_mode"):
             logger.info(
                 "stepwatch: MindSpore calls callbacks once per sink in dataset sink mode; each "
@@ -200,8 +203,8 @@ def _number(value: Any) -> float | None:
     return float(array.reshape(-1)[0])
 
 
-def _lr_face(optimizer: Any) -> HostOptimizer:
-    """The optimizer's learning rate as a parameter group's ``'lr'``."""
+def _rates(optimizer: Any) -> RateFunctions:
+    """The optimizer's learning rate, read and set."""
 
     def get_lr() -> float:
         if getattr(optimizer, "dynamic_lr", False):
@@ -217,7 +220,7 @@ def _lr_face(optimizer: Any) -> HostOptimizer:
         rate = optimizer.learning_rate
         rate.set_data(mindspore.Tensor(np.asarray(value, dtype=np.float32)))
 
-    return HostOptimizer(optimizer, get_lr, set_lr)
+    return RateFunctions(get_lr, set_lr)
 
 
 def _rank() -> int:
@@ -247,14 +250,18 @@ def _config(p: Any) -> dict[str, Any]:
     }
 
 
-def _capture(network: Any) -> dict[str, np.ndarray]:
-    """A copy of every parameter of the train network - the weights and the optimizer's
-    state (its moments, step and learning rate are parameters too) - for rollback."""
-    return {param.name: param.asnumpy().copy() for param in network.get_parameters()}
+class _CellState:
+    """The train network's state for rollback (:class:`~stepwatch.view.host.StateControl`):
+    every parameter of the train network - the weights and the optimizer's state (its
+    moments, step and learning rate are parameters too)."""
 
+    def __init__(self, network: Any) -> None:
+        self._network = network
 
-def _restore(network: Any, saved: dict[str, np.ndarray]) -> None:
-    """Put a :func:`_capture` copy back into the train network's parameters, in place."""
-    for param in network.get_parameters():
-        if param.name in saved:
-            param.set_data(mindspore.Tensor(saved[param.name]))
+    def capture(self) -> dict[str, np.ndarray]:
+        return {param.name: param.asnumpy().copy() for param in self._network.get_parameters()}
+
+    def restore(self, saved: dict[str, np.ndarray]) -> None:
+        for param in self._network.get_parameters():
+            if param.name in saved:
+                param.set_data(mindspore.Tensor(saved[param.name]))

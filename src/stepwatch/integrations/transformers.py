@@ -101,6 +101,7 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .._tensor import check_loss
+from ..train.engine import torch_controls
 from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 from ._transformers_checkpoint import write_checkpoint
 from ._transformers_loss import StepLoss, running_trainer
@@ -148,7 +149,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         TypeError: ``callbacks`` is not a stepwatch Callback or a list of them.
 
     Attributes:
-        run: the stepwatch run while training (a ``WatchedRun``), else None.
+        run: the stepwatch run while training (a ``RunEngine``), else None.
 
     Example:
         >>> watch = StepwatchCallback([RunRecorder(db="runs.db"), AnomalyMonitor()])
@@ -242,18 +243,21 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
                 "(torchrun) for exact step losses.",
                 args.n_gpu,
             )
-        host = Host(
-            name="transformers",
-            network=model,
-            optimizer=optimizer,
-            grads=isinstance(model, nn.Module) and not sharded,
-            restores=torch_parts and not sharded,
-            save=self._save if isinstance(model, nn.Module) else None,
-            config=clean_config(_config(args, model)),
-            rank=int(args.process_index),
-            world=int(args.world_size),
+        controls = torch_controls(
+            "transformers",
+            model,
+            optimizer,
+            lr_scheduler=lr_scheduler,
             # fp16 on a GPU: accelerate's optimizer steps through a GradScaler
             loss_scaler=getattr(optimizer, "scaler", None),
+            dataset=train_dataloader,
+            restores=torch_parts and not sharded,
+            grads=isinstance(model, nn.Module) and not sharded,
+            save=self._save if isinstance(model, nn.Module) else None,
+            config=clean_config(_config(args, model)),
+        )
+        host = Host(
+            controls, model, optimizer, rank=int(args.process_index), world=int(args.world_size)
         )
         steps_per_epoch = _steps_per_epoch(args, state, train_dataloader)
         epochs = max(1, int(state.num_train_epochs or 1))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -26,16 +27,15 @@ from ..dataset import (
     split_loss,
 )
 from ..distributed import rank_and_world
-from ..view.run import RunView, view_of
-from .callback._callback import CallbackList, CallbackParams, RunContext
+from .engine import RunEngine, torch_controls
 from .evaluate import eval_in_fit
 from .parallel import epoch_results
-from .parts import Parts, RunPlan, evaluate_metric, new_cb_params
+from .parts import Parts, RunPlan, evaluate_metric
 from .resume import find_resume_point, skip_then_restore
 from .state import rng_state, set_rng_state
 from .step import cast_floats, found_inf
 
-__all__ = ["Parts", "RunPlan", "new_cb_params", "run", "train_epoch"]
+__all__ = ["run", "train_epoch"]
 
 logger = logging.getLogger("stepwatch")
 
@@ -47,37 +47,17 @@ def should_eval(epoch_number: int, valid_frequency: int | list[int]) -> bool:
 
 
 def run(parts: Parts, plan: RunPlan) -> None:
-    """Train (and validate, in ``fit``) as ``plan`` says, calling the callbacks' hooks."""
+    """Train (and validate, in ``fit``) as ``plan`` says, driving a :class:`RunEngine`."""
     epoch, initial_epoch = plan.epoch, plan.initial_epoch
     cb_list, train_dataset, valid_dataset = plan.callbacks, plan.train_dataset, plan.valid_dataset
     sinking = plan.dataset_sink_mode and plan.sink_size > 0
     steps_per_epoch = plan.sink_size if sinking else plan.batch_num
     rank, world = rank_and_world()
-
-    cb_params = new_cb_params(parts, cb_list, rank, world)
-    cb_params.mode = "train"
-    cb_params.epoch_num = epoch - initial_epoch
-    cb_params.initial_epoch = initial_epoch
-    cb_params.batch_num = steps_per_epoch
-    cb_params.initial_step = initial_epoch * steps_per_epoch
-    cb_params.cur_step_num = cb_params.initial_step
-    cb_params.cur_epoch_num = initial_epoch
-    cb_params.train_dataset = train_dataset
-    cb_params.dataset_sink_mode = plan.dataset_sink_mode
-    cb_params.train_dataset_element = None  # MindSpore has the field (None) before step 1
-    if valid_dataset is not None:
-        cb_params.valid_dataset = valid_dataset
-    cb_params.run_view = RunView(
-        cb_params, rank=rank, world=world, validates=valid_dataset is not None
-    )
-    cb_params.run_view.metrics = parts.metrics
-    run_context = RunContext(cb_params)
-    source = ContinuingBatches(train_dataset) if sinking else None
-
     resume = find_resume_point(
         plan.resume_from, cb_list, parts, epoch, steps_per_epoch, train_dataset
     )
     skip = 0
+    initial_step = initial_epoch * steps_per_epoch
     if resume is not None:
         initial_epoch, skip = resume.initial_epoch, resume.skip
         if initial_epoch >= epoch:
@@ -88,32 +68,49 @@ def run(parts: Parts, plan: RunPlan) -> None:
             if callable(done):
                 done()  # e.g. BackupAndRestore deletes a backup that has nothing left to do
             return
-        cb_params.epoch_num = epoch - initial_epoch
-        cb_params.initial_epoch = initial_epoch
+        initial_step = resume.step  # steps continue from the checkpoint
+    controls = torch_controls(
+        "stepwatch",
+        parts.network,
+        parts.optimizer,
+        lr_scheduler=parts.lr_scheduler,
+        loss_scaler=parts.loss_scaler,
+        dataset=train_dataset,
+    )
+    engine = RunEngine(
+        cb_list,
+        controls,
+        parts=parts,
+        epochs=epoch - initial_epoch,
+        steps_per_epoch=steps_per_epoch,
+        initial_step=initial_step,
+        initial_epoch=initial_epoch,
+        dataset=train_dataset,
+        valid_dataset=valid_dataset,
+        rank=rank,
+        world=world,
+    )
+    cb_params, run_context = engine.cb_params, engine.run_context
+    cb_params.dataset_sink_mode = plan.dataset_sink_mode
+    if resume is not None:
+        # The skipped batches of the checkpoint's epoch were trained before it.
         cb_params.initial_step = resume.step - skip
-        # Steps continue from the checkpoint; the skipped batches were trained before it.
-        cb_params.cur_step_num = resume.step
-        cb_params.cur_epoch_num = initial_epoch
         cb_params.progress.skipped_steps = int(resume.state.get("skipped_steps", 0))
-
-    progress = cb_params.progress
-    progress.trained_step = cb_params.cur_step_num
+    source = ContinuingBatches(train_dataset) if sinking else None
     metric_names = list(parts.metrics)
     warned_nonfinite = False
-    with cb_list.entered():
-        cb_list.call("on_train_begin", run_context)
-        if resume is not None:
-            # After on_train_begin, which resets callbacks: the saved state wins.
-            cb_list.load_state_dicts(resume.callback_states, f"checkpoint {resume.path!r}")
+    engine.open(
+        resume.callback_states if resume is not None else None,
+        f"checkpoint {resume.path!r}" if resume is not None else "",
+    )
+    try:
         for epoch_index in range(initial_epoch, epoch):
-            cb_params.cur_epoch_num = epoch_index + 1
-            cb_params.loss = None
             if skip:
                 assert resume is not None and resume.epoch_rng is not None
                 set_rng_state(resume.epoch_rng, train_dataset)
-            progress.epoch_start_rng = rng_state(train_dataset)
+            cb_params.progress.epoch_start_rng = rng_state(train_dataset)
             set_epoch(train_dataset, epoch_index)
-            cb_list.call("on_train_epoch_begin", run_context)
+            engine.begin_epoch()
             batches: Iterable[Any] = (
                 itertools.islice(source, steps_per_epoch) if source is not None else train_dataset
             )
@@ -121,15 +118,17 @@ def run(parts: Parts, plan: RunPlan) -> None:
                 assert resume is not None
                 batches = skip_then_restore(batches, skip, resume.rng, train_dataset)
                 skip = 0
-            train_results = train_epoch(parts, batches, cb_list, cb_params, run_context)
-            cb_params.train_results = train_results
-            cb_params.loss = train_results.get("loss")
+            train_results = train_epoch(parts, batches, engine)
             shown = [name for name in train_results if name != "loss"]
-            for name in shown:
+            for name in shown:  # as MindSpore: the training metrics on cb_params at the end
                 setattr(cb_params, name, train_results[name])
+
+            validate = None
             if valid_dataset is not None and should_eval(epoch_index + 1, plan.valid_frequency):
-                eval_in_fit(parts, valid_dataset, cb_list, cb_params, run_context, metric_names)
-            cb_list.call("on_train_epoch_end", run_context)
+                validate = functools.partial(
+                    eval_in_fit, parts, valid_dataset, cb_list, cb_params, run_context, metric_names
+                )
+            engine.end_epoch(train_results, evaluate=validate)
             scheduler = parts.step.lr_scheduler
             if scheduler is not None and parts.step.lr_interval == "epoch" and train_results:
                 scheduler.step()  # after the epoch's callbacks, so they saw this epoch's LR
@@ -154,29 +153,19 @@ def run(parts: Parts, plan: RunPlan) -> None:
                 )
             for name in shown:
                 cb_params.__dict__.pop(name, None)
-            cb_params.__dict__.pop("eval_results", None)
-            cb_params.__dict__.pop("metrics", None)  # as MindSpore: until the epoch's end
             if run_context.stop_requested:
                 break
-        cb_list.call("on_train_end", run_context)
-    if run_context.stop_requested:
-        reason = run_context.stop_reason or "a callback requested a stop"
-        logger.info(
-            "training stopped at epoch %d, step %d: %s",
-            cb_params.cur_epoch_num,
-            cb_params.cur_step_num,
-            reason,
-        )
+    except BaseException as exc:
+        engine.close(exc)
+        raise
+    engine.close()
 
 
-def train_epoch(
-    parts: Parts,
-    batches: Iterable[Any],
-    cb_list: CallbackList,
-    cb_params: CallbackParams,
-    run_context: RunContext,
-) -> dict[str, Any]:
+def train_epoch(parts: Parts, batches: Iterable[Any], engine: RunEngine) -> dict[str, Any]:
     """Train on ``batches`` once; return the epoch's mean loss and training metrics.
+
+    This is :meth:`RunEngine.step <stepwatch.train.engine.RunEngine.step>` inlined around
+    the training step, on the hot path: the same loss tap, the same looks and hooks.
 
     Invariants the callbacks and checkpoints rely on:
 
@@ -214,6 +203,7 @@ def train_epoch(
         parts.device,
     )
     assert optimizer is not None
+    cb_list, cb_params, run_context = engine.callbacks, engine.cb_params, engine.run_context
     opts = parts.step
     forward = opts.forward_network if opts.forward_network is not None else network
     if parts.ddp is not None and cb_params.device_number > 1:
@@ -237,8 +227,7 @@ def train_epoch(
     for metric in train_metrics:
         metric.clear()
     first_step = step = cb_params.cur_step_num
-    tap = view_of(cb_params).tap
-    tap.begin_epoch(cb_params.cur_epoch_num, step + 1)
+    tap = engine.view.tap
     pending = tap.pending
     progress = cb_params.progress
     perf_counter = time.perf_counter
@@ -371,6 +360,7 @@ def train_epoch(
         if not plain:
             cb_params.optimizer_stepped = stepping
             cb_params.grad_norm = grad_norm if stepping else None
+    engine.took(step)
     total = tap.end_epoch()
     if cb_params.device_number > 1:
         return epoch_results(parts, total, steps)  # one collective: global loss and metrics

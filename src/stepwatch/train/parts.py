@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..distributed import local_rank
 from .callback._callback import CallbackList, CallbackParams
@@ -32,14 +31,16 @@ LOSS_CHUNK = 256
 
 @dataclass
 class Parts:
-    """What the loop trains and evaluates with (a ``Model`` hands over its own)."""
+    """What the loop trains and evaluates with (a ``Model`` hands over its own; a run engine
+    driven by another trainer, that trainer's network - a torch module, or the host's own
+    network object - or None)."""
 
-    network: nn.Module
+    network: Any
     loss_fn: Any
     optimizer: torch.optim.Optimizer | None
     device: torch.device
     metrics: dict[str, Any]
-    eval_network: nn.Module
+    eval_network: Any
     # Training-batch metrics accumulate in their own copies so validation never mixes in.
     train_metrics: dict[str, Any] = field(default_factory=dict)
     step: StepOptions = field(default_factory=StepOptions)
@@ -55,7 +56,7 @@ class Parts:
         return self.step.scaler
 
     @property
-    def train_network(self) -> nn.Module:
+    def train_network(self) -> Any:
         return self.network
 
 

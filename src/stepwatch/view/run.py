@@ -16,6 +16,7 @@ from typing import Any
 
 from ..monitor import values as names
 from .alerts import AlertPath
+from .host import HostControls, LearningRates, OptimizerRates, Sink, StateControl, params_state
 from .tap import LossTap
 
 __all__ = ["RunView", "view_of"]
@@ -26,28 +27,24 @@ class RunView:
 
     Args:
         params: the run's cb_params (where the per-step fields live).
-        host: what trains: ``'stepwatch'`` (``Model``), ``'loop'`` (a hand-written loop), or a
-            bridge's host name.
+        controls: what the trainer lets the monitors do (:class:`~.host.HostControls`: its
+            name, state copies, learning rates, checkpoint writer, whether gradients are on
+            the parameters); None: a cb_params built by hand, whose torch network and
+            optimizer are used where there are any.
         rank / world: this process's rank and the number of processes.
         validates: the run validates (decides what a bare metric name means).
-        grads: gradients are on the parameters at the end of a step (gradient detectors need
-            it).
         fed: the host pushes every step's loss into :attr:`tap` (False for a cb_params built
             by hand, where nobody does).
 
     Attributes:
         tap: the step losses (:class:`~stepwatch.view.tap.LossTap`).
         alerts: the alert path (:class:`~stepwatch.view.alerts.AlertPath`).
-        sink: the run store writer (``RunRecorder`` sets it on rank 0), or None.
+        sink: the run store (a :class:`~.host.Sink`) while one is attached
+            (:meth:`attach_sink`: ``RunRecorder`` on rank 0), or None.
         rollbacks: ``(restored_step, at_step)`` for each rollback an action did: the state is
-            as after ``restored_step``; the steps after it up to ``at_step`` were undone.
-        state: the training state (:class:`~stepwatch.train.state.TrainingState`) that
-            rollbacks and snapshots capture and restore, or None when the host gives none.
-        controls: what another trainer lets actions do (a bridge's host controls: ``name``,
-            ``restores`` - rollback may restore weights and optimizer mid-run - and
-            ``save(stem)``, which writes a checkpoint that trainer loads), or None for
-            stepwatch's own loops.
-        config: the host trainer's own settings, stored with the run (a bridge fills it).
+            as after ``restored_step``; the steps after it up to ``at_step`` were undone. The
+            one count of a run's rollbacks.
+        controls: the trainer's :class:`~.host.HostControls`.
         metrics: the run's metric objects by name (``Model(metrics=...)``), for their names
             and the directions they declare; ``cb_params.metrics`` holds their values, as in
             MindSpore, from the end of an evaluation to the end of its epoch.
@@ -56,30 +53,74 @@ class RunView:
     def __init__(
         self,
         params: Any,
+        controls: HostControls | None = None,
         *,
-        host: str = "stepwatch",
         rank: int = 0,
         world: int = 1,
         validates: bool = False,
-        grads: bool = True,
         fed: bool = True,
-        state: Any = None,
     ) -> None:
         self.params = params
-        self.host = host
+        if controls is None:
+            controls = HostControls("none", state=params_state(params))
+        self.controls = controls
         self.rank, self.world = rank, world
         self.validates = validates
-        self.grads = grads
         self.fed = fed
-        self.state = state
-        self.controls: Any = None
-        self.config: dict[str, Any] = {}
         self.metrics: dict[str, Any] = {}
         self.tap = LossTap()
         self.alerts = AlertPath(self)
-        self.sink: Any = None
+        self.sink: Sink | None = None
+        self._rates: tuple[Any, OptimizerRates | None] = (None, None)
         # (restored_step, at_step) for each rollback an action did, in order.
         self.rollbacks: list[tuple[int, int]] = []
+
+    # -- what the trainer lets monitors do (its controls) --------------------------------------
+    @property
+    def host(self) -> str:
+        """What trains: ``'stepwatch'``, ``'loop'`` or a bridge's host name."""
+        return self.controls.name
+
+    @property
+    def grads(self) -> bool:
+        """Gradients are on the parameters when a step ends (gradient detectors need it)."""
+        return self.controls.grads
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The host trainer's own settings, stored with the run."""
+        return self.controls.config
+
+    @property
+    def state(self) -> StateControl | None:
+        """Copies and restores the training state (rollback), or None where the trainer
+        cannot be restored mid-run."""
+        return self.controls.state
+
+    @property
+    def rates(self) -> LearningRates | None:
+        """The learning rates: the trainer's, else those of cb_params' torch optimizer, or
+        None without an optimizer."""
+        rates = self.controls.rates
+        if rates is not None:
+            return rates
+        optimizer = self.params.get("optimizer")
+        if optimizer is None or not hasattr(optimizer, "param_groups"):
+            return None
+        seen, made = self._rates
+        if seen is not optimizer or made is None:
+            made = OptimizerRates(optimizer)
+            self._rates = (optimizer, made)
+        return made
+
+    def attach_sink(self, sink: Sink) -> None:
+        """Write the run's alerts and other monitors' points to ``sink`` (a run store)."""
+        self.sink = sink
+
+    def detach_sink(self, sink: Sink) -> None:
+        """Stop writing to ``sink``, if it is the one attached."""
+        if self.sink is sink:
+            self.sink = None
 
     # -- where training is (read from cb_params, where the host sets it) ------------------------
     @property
@@ -133,7 +174,6 @@ def view_of(params: Any) -> RunView:
     if view is None:
         view = RunView(
             params,
-            host="none",
             rank=int(params.get("rank_id", 0) or 0),
             world=int(params.get("device_number", 1) or 1),
             validates=params.get("valid_dataset") is not None,

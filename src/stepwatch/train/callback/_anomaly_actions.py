@@ -19,9 +19,10 @@ from torch import nn
 
 from ..._validation import _got, check_arity, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
+from ...view.host import StateControl
+from ...view.run import view_of
 from ..resume import build_checkpoint
 from ..serialization import write_atomic
-from ..state import TrainingState
 
 __all__ = [
     "ACTIONS", "ActivationStats", "GradStats", "StateKeeper", "check_actions",
@@ -244,11 +245,7 @@ class StateKeeper:
     def maybe_keep(self, step: int, cb_params: Any) -> None:
         if step % self.every:
             return
-        own = _host_state(cb_params)
-        if own is not None:  # a bridge's host keeps its state its own way (Keras, MindSpore)
-            state = own.capture()
-        else:
-            state = TrainingState.of(cb_params).capture(rng=False, callbacks=False, copy=True)
+        state = _state_control(cb_params).capture()
         self.states = [*self.states[1 - self.keep :], (step, state)]
 
     def tried(self, kind: str) -> int | None:
@@ -269,29 +266,22 @@ class StateKeeper:
         if not self.states:
             return None
         at, state = self.states[-1]
-        own = _host_state(cb_params)
-        if own is not None:
-            own.restore(state)
-        else:
-            TrainingState.of(cb_params).restore(state)
+        _state_control(cb_params).restore(state)
         self._targets[kind] = at
         return at
 
 
-def _host_state(cb_params: Any) -> Any:
-    """A bridge's host controls when they copy and restore the host's state themselves
-    (``capture``/``restore``), else None (stepwatch's TrainingState does it)."""
-    view = cb_params.__dict__.get("run_view")
-    controls = view.controls if view is not None else None
-    if controls is not None and getattr(controls, "capture", None) is not None:
-        return controls
-    return None
+def _state_control(cb_params: Any) -> StateControl:
+    """The trainer's state control (the run view's): rollback copies and restores through it."""
+    state = view_of(cb_params).state
+    if state is None:  # the keeper is made only where the trainer restores
+        raise RuntimeError("this run's trainer cannot restore its state in place")
+    return state
 
 
 def host_restores(view: Any) -> bool:
-    """Whether the trainer lets a rollback restore its weights and optimizer in place
-    (stepwatch's own loops do; a bridge's host says)."""
-    return view.controls is None or bool(view.controls.restores)
+    """Whether the trainer lets a rollback restore its weights and optimizer in place."""
+    return view.state is not None
 
 
 def note_no_gradients(view: Any, detectors: Sequence[Any]) -> None:
@@ -311,15 +301,14 @@ def note_no_gradients(view: Any, detectors: Sequence[Any]) -> None:
 def reduce_lr(cb_params: Any, factor: float) -> list[float]:
     """Multiply every parameter group's learning rate (and a scheduler's base rates, which
     it would otherwise restore) by ``factor``; return the new rates."""
-    optimizer = cb_params.optimizer
-    if optimizer is None:
+    rates = view_of(cb_params).rates
+    if rates is None:
         return []
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
+    rates.set([rate * factor for rate in rates.get()])
     scheduler = cb_params.get("lr_scheduler")
     if scheduler is not None and hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    return [group["lr"] for group in optimizer.param_groups]
+    return rates.get()
 
 
 def reduce_lr_outcome(cb_params: Any, factor: float) -> str:
@@ -350,10 +339,9 @@ def write_snapshot(
     recent metric window as JSON; return the checkpoint."""
     folder.mkdir(parents=True, exist_ok=True)
     stem = f"anomaly-{alert.kind}-step{alert.step}"
-    view = cb_params.__dict__.get("run_view")
-    controls = view.controls if view is not None else None
-    if controls is not None and controls.save is not None:
-        path = controls.save(folder / stem)
+    save = view_of(cb_params).controls.save
+    if save is not None:
+        path = save(folder / stem)
     else:
         checkpoint = build_checkpoint(cb_params, epoch_complete=False)
         path = write_atomic(checkpoint, folder / f"{stem}.pt")

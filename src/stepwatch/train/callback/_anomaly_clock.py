@@ -73,7 +73,7 @@ class Clock:
     _inflight: deque[tuple[Any, ...]]
     _history: dict[str, deque[Any]]
     _world: int
-    _groups: Any
+    _lr_handle: Any
     _lr_changes: list[tuple[int, float]]
     _fast: list[Any]
     _slow_alarms: list[Any]
@@ -113,9 +113,9 @@ class Clock:
     def _note_lr(self, step: int) -> None:
         """The rate as of ``step`` (read at each chunk and each gradient measurement), for the
         detectors that judge the learning rate."""
-        groups = self._groups
-        if groups is not None:
-            lr = groups[0]["lr"]
+        rates = self._lr_handle
+        if rates is not None:
+            lr = rates.get()[0]
             changes = self._lr_changes
             if not changes or changes[-1][1] != lr:
                 changes.append((step, lr))

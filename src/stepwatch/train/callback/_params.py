@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._tensor import as_stepwatch_tensor
+from ...view.run import view_of
 
 __all__ = ["CallbackParams", "Progress"]
 
@@ -192,18 +193,16 @@ class CallbackParams:
     @property
     def lr(self) -> float:
         """The first parameter group's learning rate, read from the optimizer."""
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None:
-            raise AttributeError("'lr' needs an optimizer; this run has none")
-        return float(optimizer.param_groups[0]["lr"])
+        return self.lrs[0]
 
     @property
     def lrs(self) -> list[float]:
-        """The learning rate of every parameter group, read from the optimizer."""
-        optimizer = self.__dict__.get("optimizer")
-        if optimizer is None:
-            raise AttributeError("'lrs' needs an optimizer; this run has none")
-        return [float(group["lr"]) for group in optimizer.param_groups]
+        """The learning rate of every parameter group, read from the optimizer (through the
+        run view's :attr:`~stepwatch.view.run.RunView.rates`)."""
+        rates = view_of(self).rates if self.__dict__.get("optimizer") is not None else None
+        if rates is None:
+            raise AttributeError("'lr' needs an optimizer; this run has none")
+        return rates.get()
 
     @property
     def loss_scale(self) -> float:

@@ -257,7 +257,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._host_losses = False  # the tap's chunks hold floats (losses read on the host)
         # only when every detector fed each batch says what it must see at once (alarm())
         self._may_alarm = all(map(says_alarm, self._fast))
-        self._groups: Any = None
+        self._lr_handle: Any = None
         self._lr_changes: list[tuple[int, float]] = []  # (first step, rate), for plateau
         self._grad_due = 0  # the step of the next gradient measurement
         # What waits to be read, in order: ("loss", chunk) and ("grad", step, epoch, host,
@@ -310,9 +310,8 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._want_classes = bool(self._classes_for)
         if not host_restores(view):
             self._keeper = None  # the host cannot be rolled back: 'rollback' stops instead
-        optimizer = p.get("optimizer")
-        if (self._plateau or self._lr_low) is not None and optimizer is not None:
-            self._groups = optimizer.param_groups
+        if (self._plateau or self._lr_low) is not None:
+            self._lr_handle = view.rates
         # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
         self._scaled = p.get("loss_scaler") is not None
         if view.rank == 0 and self.snapshot_dir.is_dir():
@@ -463,7 +462,7 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._slow_now = False
         alerts: list[Alert] = []
         for steps, losses, epoch in waiting:
-            lrs = self._rates(steps) if self._groups is not None else None
+            lrs = self._rates(steps) if self._lr_handle is not None else None
             for detector in self._slow:
                 if detector is self._plateau or detector is self._lr_low:
                     alerts.extend(detector.update_many(steps, losses, epoch, lrs))

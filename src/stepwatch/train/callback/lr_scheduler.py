@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Callable
 
 from ..._validation import check_arity, check_callable
+from ...view.run import view_of
 from ._callback import ORDER_STEER, Callback, RunContext
 
 __all__ = ["LearningRateScheduler"]
@@ -64,8 +65,11 @@ class LearningRateScheduler(Callback):
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         cb_params = run_context.cb_params
-        groups = cb_params.optimizer.param_groups
-        lr = float(groups[0]["lr"])
+        rates = view_of(cb_params).rates
+        if rates is None:
+            return  # no optimizer (on_train_begin said so)
+        current = rates.get()
+        lr = current[0]
         found = self.learning_rate_function(lr, cb_params.cur_step_num)
         try:
             new_lr = float(found)
@@ -82,11 +86,8 @@ class LearningRateScheduler(Callback):
             )
         if math.isclose(lr, new_lr, rel_tol=1e-10):
             return
-        if len(groups) == 1 or lr == 0:
-            for group in groups:
-                group["lr"] = new_lr
+        if len(current) == 1 or lr == 0:
+            rates.set([new_lr] * len(current))
         else:
-            ratio = new_lr / lr
-            for group in groups:
-                group["lr"] = float(group["lr"]) * ratio
+            rates.set([rate * (new_lr / lr) for rate in current])
         logger.info("At step %d, learning_rate change to %g", cb_params.cur_step_num, new_lr)

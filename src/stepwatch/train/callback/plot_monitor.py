@@ -133,7 +133,7 @@ class PlotMonitor(Callback):
         self._series: dict[str, _Series] = {}
         self._chunks: list[Chunk] = []  # step losses from the run's tap, not read yet
         self._waiting = 0
-        self._optimizer: Any = None
+        self._rates: Any = None  # the run's learning rates
         self._view: RunView | None = None
         self._jobs: queue.Queue[RunCurves | None] = queue.Queue(maxsize=1)
         self._thread: threading.Thread | None = None
@@ -163,9 +163,9 @@ class PlotMonitor(Callback):
         for chunk in self._chunks:
             self._add(names.STEP_LOSS, list(chunk.steps), chunk.values())
         self._chunks, self._waiting = [], 0
-        optimizer = self._optimizer
-        if optimizer is not None and optimizer.param_groups:
-            self._add(names.LR, [step], [float(optimizer.param_groups[0]["lr"])])
+        rates = self._rates
+        if rates is not None:
+            self._add(names.LR, [step], [rates.get()[0]])
 
     def _submit(self) -> None:
         snapshot: RunCurves = (
@@ -192,7 +192,7 @@ class PlotMonitor(Callback):
         self._series, self._chunks, self._waiting = {}, [], 0
         self._failed = False
         self._schedule.reset(p.cur_step_num)
-        self._optimizer = p.get("optimizer")
+        self._rates = view_of(p).rates
         self._view = view_of(p)
         # A look at the clock per chunk of 64 steps (the tap cuts one at least that often).
         self._view.tap.subscribe(64, self._take)

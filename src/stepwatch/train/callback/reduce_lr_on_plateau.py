@@ -6,6 +6,8 @@ import logging
 from typing import Any
 
 from ..._validation import check_bool, check_int, check_number
+from ...view.host import LearningRates
+from ...view.run import view_of
 from ._callback import ORDER_STEER, RunContext
 from ._monitor import MonitorCallback
 from ._print import emit
@@ -72,11 +74,12 @@ class ReduceLROnPlateau(MonitorCallback):
 
     def on_train_begin(self, run_context: RunContext) -> None:
         self._reset(run_context.cb_params)
-        optimizer = run_context.original_args().optimizer
-        if isinstance(self.min_lr, list) and len(self.min_lr) != len(optimizer.param_groups):
+        rates = view_of(run_context.original_args()).rates
+        groups = len(rates.get()) if rates is not None else 0
+        if isinstance(self.min_lr, list) and len(self.min_lr) != groups:
             raise ValueError(
-                f"'min_lr' has {len(self.min_lr)} values but the optimizer has "
-                f"{len(optimizer.param_groups)} parameter groups."
+                f"'min_lr' has {len(self.min_lr)} values but the optimizer has {groups} "
+                "parameter groups."
             )
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
@@ -97,22 +100,22 @@ class ReduceLROnPlateau(MonitorCallback):
             return
         self.wait += 1
         if self.wait >= self.patience:
-            self._reduce(cb_params.optimizer, cb_params.cur_epoch_num, cb_params.rank_id == 0)
+            self._reduce(view_of(cb_params).rates, cb_params.cur_epoch_num, cb_params.rank_id == 0)
             self.cooldown_counter = self.cooldown
             self.wait = 0
 
-    def _reduce(self, optimizer: Any, epoch: int, printing: bool = True) -> None:
-        groups = optimizer.param_groups
-        floors = self.min_lr if isinstance(self.min_lr, list) else [self.min_lr] * len(groups)
-        reduced = False
-        for group, floor in zip(groups, floors):
-            old = float(group["lr"])
+    def _reduce(self, rates: LearningRates | None, epoch: int, printing: bool = True) -> None:
+        if rates is None:
+            return  # no optimizer: nothing to reduce
+        olds = rates.get()
+        floors = self.min_lr if isinstance(self.min_lr, list) else [self.min_lr] * len(olds)
+        news = []
+        for old, floor in zip(olds, floors):
             new = max(old * self.factor, floor)
-            if old - new > 1e-12 * max(old, 1.0):
-                group["lr"] = new
-                reduced = True
-        if reduced:
-            new_lr = float(groups[0]["lr"])
+            news.append(new if old - new > 1e-12 * max(old, 1.0) else old)
+        if news != olds:
+            rates.set(news)
+            new_lr = rates.get()[0]
             logger.info(
                 "epoch %d: ReduceLROnPlateau reduced the learning rate to %g", epoch, new_lr
             )
