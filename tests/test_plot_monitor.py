@@ -54,14 +54,25 @@ def test_writes_a_png_headless_at_train_end(tmp_path: Path) -> None:
 
 
 def test_draws_during_training_without_a_display(tmp_path: Path) -> None:
+    # After the first epoch, training waits (up to 60 s) for the drawing thread: a picture
+    # drawn while training runs, whatever the machine's load; then the last one at the end.
     out = tmp_path / "live.png"
     code = (
-        "import matplotlib\n"
+        "import time, matplotlib\n"
         "from tests.conftest import make_batches, make_model\n"
-        "from stepwatch import PlotMonitor\n"
+        "from stepwatch import Callback, PlotMonitor\n"
         f"monitor = PlotMonitor({str(out)!r}, every_n_seconds=1e-6)\n"
-        "make_model().train(2, make_batches(n_batches=20), callbacks=[monitor])\n"
-        "print(monitor.drawn, matplotlib.get_backend())\n"
+        "class Waiter(Callback):\n"
+        "    during = -1\n"
+        "    def on_train_epoch_end(self, run_context):\n"
+        "        if run_context.cb_params.cur_epoch_num != 1:\n"
+        "            return\n"
+        "        deadline = time.monotonic() + 60\n"
+        "        while monitor.drawn < 1 and time.monotonic() < deadline:\n"
+        "            time.sleep(0.01)\n"
+        "        Waiter.during = monitor.drawn\n"
+        "make_model().train(2, make_batches(n_batches=20), callbacks=[monitor, Waiter()])\n"
+        "print(Waiter.during, monitor.drawn, matplotlib.get_backend())\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
     root = Path(__file__).resolve().parents[1]
@@ -76,8 +87,9 @@ def test_draws_during_training_without_a_display(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    drawn, backend = done.stdout.split()
-    assert int(drawn) >= 2  # pictures while training, and the last one
+    during, drawn, backend = done.stdout.split()
+    assert int(during) >= 1  # a picture while training ran (in its second epoch)
+    assert int(drawn) >= int(during) + 1  # and the last one, at the end
     assert backend.lower() == "agg"
     assert _png_size(out)[0] > 100
 
