@@ -459,3 +459,32 @@ def test_the_page_over_a_postgresql_team_store(
             _shot(browser, "postgres")
     finally:
         live.close()
+
+
+def test_a_team_dashboard_opens_from_its_login_link(
+    browser: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On every address the page asks for the token; the printed link logs the browser in
+    (a cookie), the token leaves the address bar, and the page works as on loopback."""
+    monkeypatch.delenv("STEPWATCH_TOKEN", raising=False)
+    db = tmp_path / "team.db"
+    _sweep(db)
+    server = make_server(db, host="0.0.0.0", port=0)
+    thread = serve_in_thread(server)
+    try:
+        assert server.token is not None
+        port = server.server_address[1]
+        local = f"http://127.0.0.1:{port}/"
+        browser.get(local + "?runs=6")
+        assert "asks for its token" in browser.find_element("css selector", "body").text
+        browser.get(f"{local}?runs=6&token={server.token}")
+        wait_until(lambda: _chart(browser, "loss")["points"] == 60)
+        assert browser.current_url == local + "?runs=6"
+        assert len(_rows(browser)) == 6
+        assert "error" not in browser.find_element("id", "db-status").text
+        browser.get(local + "?runs=1")  # the cookie stays: no token needed any more
+        wait_until(lambda: _chart(browser, "loss")["points"] > 0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

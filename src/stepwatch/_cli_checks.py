@@ -73,7 +73,15 @@ def check_device(text: str) -> None:
 
 
 # An argument's name in an error from the library, as the command's flag.
-_FLAGS = {"'db'": "--db", "'path'": "--db", "'to'": "--to", "'port'": "--port", "'host'": "--host"}
+_FLAGS = {
+    "'db'": "--db",
+    "'path'": "--db",
+    "'to'": "--to",
+    "'port'": "--port",
+    "'host'": "--host",
+    "'token'": "--token",
+    "'allowed_hosts'": "--allow-host",
+}
 
 
 def one_line(exc: BaseException) -> str:

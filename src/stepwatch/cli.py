@@ -129,8 +129,28 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-points", type=_positive_int, default=2000, help="points per curve (min/max kept)"
     )
     serve = with_db(sub.add_parser("serve", help="the live web dashboard on the run store"))
-    serve.add_argument("--host", default="127.0.0.1", help="address (default 127.0.0.1)")
+    serve.add_argument(
+        "store", nargs="?", metavar="DB", help="the store, as --db (stepwatch serve runs.db)"
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address (default 127.0.0.1: this machine only; 0.0.0.0: the network, with a token)",
+    )
     serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any)")
+    serve.add_argument(
+        "--token",
+        default=None,
+        help="the token every request must carry (default $STEPWATCH_TOKEN; beyond 127.0.0.1 a "
+        "random one when neither is given; printed in the login link)",
+    )
+    serve.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name the page may be reached by (a DNS alias, a reverse proxy; repeat)",
+    )
     serve.add_argument("--verbose", action="store_true", help="log every request")
     rm = with_db(sub.add_parser("rm", help="delete runs (asks first)"))
     rm.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
@@ -377,14 +397,23 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(db: str | None, host: str, port: int, verbose: bool = False) -> int:
+def _serve(
+    db: str | None,
+    host: str,
+    port: int,
+    verbose: bool = False,
+    token: str | None = None,
+    allowed_hosts: Sequence[str] = (),
+) -> int:
     from .dashboard.server import DashboardServer, serve
 
     def ready(server: DashboardServer) -> None:
-        print(f"stepwatch dashboard on {server.url}  (Ctrl-C stops it)", flush=True)
+        print(f"stepwatch dashboard on {server.login_url}  (Ctrl-C stops it)", flush=True)
 
     try:
-        serve(db, host, port, verbose=verbose, ready=ready)
+        serve(
+            db, host, port, verbose=verbose, ready=ready, token=token, allowed_hosts=allowed_hosts
+        )
     except FileNotFoundError as exc:
         raise _UsageError(f"{exc}") from None
     except OSError as exc:
@@ -395,8 +424,13 @@ def _serve(db: str | None, host: str, port: int, verbose: bool = False) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _open_store(args.db).close()  # a missing or foreign file: one clear line
-    return _serve(args.db, args.host, args.port, args.verbose)
+    db = args.db
+    if args.store is not None:
+        if db is not None and db != args.store:
+            raise _UsageError(f"two stores given: {args.store} and --db {db}; pass one")
+        db = args.store
+    _open_store(db).close()  # a missing or foreign file: one clear line
+    return _serve(db, args.host, args.port, args.verbose, args.token, args.allow_host)
 
 
 # -- deleting --------------------------------------------------------------------------------

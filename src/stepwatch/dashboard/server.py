@@ -28,6 +28,12 @@ API (every answer is JSON; non-finite numbers are ``null``):
 
 An unknown run, key or path answers 404, a malformed parameter 400, each with
 ``{"error": "..."}``.
+
+Access: on loopback (the default) any local request is answered; beyond it every request
+needs the server's token (``Authorization: Bearer <token>``, or the cookie the login link
+``/?token=<token>`` sets), and a ``Host`` header that names this machine (401 and 403
+otherwise; see :mod:`stepwatch.dashboard._access`). A request whose head does not arrive
+within ``request_timeout`` seconds is dropped, and so is a connection idle that long.
 """
 
 from __future__ import annotations
@@ -37,18 +43,21 @@ import math
 import mimetypes
 import os
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
-from .._validation import check_int
+from .._validation import check_int, check_number
 from ..monitor import values as names
 from ..store.reader import Store
+from ._access import TOKEN_ENV, Access
+from ._connection import HeadReader
 
 __all__ = [
     "STATIC",
@@ -64,12 +73,17 @@ VENDOR_FILES = ("vendor/uPlot.iife.min.js", "vendor/uPlot.min.css")
 _METRIC_PARAMS = ("max_points", "after", "start", "end", "band")
 SYSTEM = "system/"  # the prefix of the recorder's system metrics: a group of their own
 _CLOCK_POINTS = 2000
+# Seconds a client may take to send a request's head, and a connection may stay idle.
+REQUEST_TIMEOUT = 10.0
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: HTTPStatus, message: str) -> None:
+    def __init__(
+        self, status: HTTPStatus, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 def check_assets(static: Path = STATIC) -> None:
@@ -270,21 +284,20 @@ def _run_id(text: str) -> int:
     return int(text)
 
 
-_LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-
-
-def _host_name(header: str) -> str:
-    """The name in a Host header, without its port (``[::1]:8765`` -> ``::1``)."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:].split("]", 1)[0]
-    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
-
-
 class _Handler(BaseHTTPRequestHandler):
     server: DashboardServer
     protocol_version = "HTTP/1.1"
     server_version = "stepwatch-dashboard"
+    rfile: Any  # a HeadReader over the connection's reader
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.server.request_timeout)  # every read and write
+        self.rfile = HeadReader(self.rfile, self.connection, self.server.request_timeout)
+
+    def handle_one_request(self) -> None:
+        self.rfile.start()  # this request's head must arrive within the bound
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:
         if self.server.verbose:
@@ -300,6 +313,7 @@ class _Handler(BaseHTTPRequestHandler):
         """Any method but GET and HEAD: the dashboard only reads (405, with the JSON error)."""
         body = json.dumps({"error": f"{self.command} is not allowed: the dashboard only reads; "
                            "use GET"}).encode()  # fmt: skip
+        self.close_connection = True  # a body it may have sent is not read
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
         self.send_header("Allow", "GET, HEAD")
         self.send_header("Content-Type", "application/json")
@@ -313,6 +327,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         try:
             self._check_host()
+            if not self._admitted(parts.path, parts.query, head):
+                return
             if parts.path.startswith("/api/"):
                 body = json.dumps(_clean(self._api(parts.path, parts.query))).encode()
                 self._send(HTTPStatus.OK, "application/json", body, head)
@@ -321,7 +337,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(HTTPStatus.OK, kind, body, head)
         except _HTTPError as exc:
             body = json.dumps({"error": str(exc)}).encode()
-            self._send(exc.status, "application/json", body, head)
+            self._send(exc.status, "application/json", body, head, exc.headers)
         except KeyError as exc:
             message = exc.args[0] if exc.args else "not found"
             body = json.dumps({"error": str(message)}).encode()
@@ -332,8 +348,17 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
             self._send(HTTPStatus.INTERNAL_SERVER_ERROR, "application/json", body, head)
 
-    def _send(self, status: HTTPStatus, kind: str, body: bytes, head: bool) -> None:
+    def _send(
+        self,
+        status: HTTPStatus,
+        kind: str,
+        body: bytes,
+        head: bool,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Cache-Control", "no-store")
@@ -366,18 +391,47 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _check_host(self) -> None:
         """Refuse a request whose Host header names another machine: a web page the user
-        visits could otherwise point its own name at 127.0.0.1 (DNS rebinding) and read every
-        run. A server bound to every address (``--host 0.0.0.0``) takes any name."""
-        allowed = self.server.host_names
-        if allowed is None:
-            return
-        name = _host_name(self.headers.get("Host") or "")
-        if name not in allowed:
+        visits could otherwise point its own name at this server's address (DNS rebinding)
+        and read every run."""
+        allowed, name = self.server.access.host_allowed(self.headers.get("Host"))
+        if not allowed:
+            shown = sorted(self.server.access.host_names)
             raise _HTTPError(
                 HTTPStatus.FORBIDDEN,
-                f"this dashboard answers requests for {', '.join(sorted(allowed))} only; "
-                f"the request named {name or 'no host'!r}",
+                f"this dashboard answers requests for {', '.join(shown)} only; the request "
+                f"named {name or 'no host'!r} (to serve it under another name, pass "
+                "--allow-host NAME to stepwatch serve)",
             )
+
+    def _admitted(self, path: str, query: str, head: bool) -> bool:
+        """True when the request may be answered; the login link answers with a redirect
+        that sets the login cookie (False: answered already)."""
+        access = self.server.access
+        if access.token is None:
+            return True
+        fields = parse_qs(query, keep_blank_values=True)
+        given = fields.get("token")
+        if given is not None and not path.startswith("/api/"):
+            if len(given) != 1 or not access.token_matches(given[0]):
+                raise _HTTPError(
+                    HTTPStatus.UNAUTHORIZED,
+                    "the token in this link is not this dashboard's: open the link "
+                    "`stepwatch serve` printed",
+                )
+            # The page again, without the token in its address (history, shared links).
+            kept = urlencode([(k, x) for k, xs in fields.items() if k != "token" for x in xs])
+            headers = {"Location": "./" + (f"?{kept}" if kept else ""),
+                       "Set-Cookie": access.login_cookie()}  # fmt: skip
+            self._send(HTTPStatus.SEE_OTHER, "text/plain; charset=utf-8", b"", head, headers)
+            return False
+        if access.admits(self.headers.get("Authorization"), self.headers.get("Cookie")):
+            return True
+        raise _HTTPError(
+            HTTPStatus.UNAUTHORIZED,
+            "this dashboard asks for its token: open the link `stepwatch serve` printed "
+            "(it ends in ?token=...), or send the header 'Authorization: Bearer <token>'",
+            {"WWW-Authenticate": 'Bearer realm="stepwatch"'},
+        )
 
     def _static(self, path: str) -> tuple[bytes, str]:
         root = self.server.static
@@ -403,18 +457,40 @@ class DashboardServer(ThreadingHTTPServer):
     request_queue_size = 128
 
     def __init__(
-        self, store: Store, host: str, port: int, static: Path = STATIC, verbose: bool = False
+        self,
+        store: Store,
+        host: str,
+        port: int,
+        static: Path = STATIC,
+        verbose: bool = False,
+        *,
+        token: str | None = None,
+        allowed_hosts: Iterable[str] = (),
+        request_timeout: float = REQUEST_TIMEOUT,
     ) -> None:
         self.api = _Api(store)
         self.store = store
         self.static = static.resolve()
         self.verbose = verbose
-        # The names a request may use in its Host header (None: any, when bound to every
-        # address).
-        self.host_names: frozenset[str] | None = (
-            None if host in ("", "0.0.0.0", "::") else _LOCAL_NAMES | {host.strip("[]").lower()}
-        )
-        super().__init__((host, port), _Handler)
+        self.request_timeout = request_timeout
+        if ":" in host:  # an IPv6 address ('::', '::1', '[::1]')
+            self.address_family = socket.AF_INET6
+        super().__init__((host.strip("[]"), port), _Handler)
+        try:
+            self.access = Access(host, token, allowed_hosts, f"stepwatch-{self.server_address[1]}")
+        except BaseException:
+            super().server_close()
+            raise
+
+    @property
+    def token(self) -> str | None:
+        """The token every request must carry (None: none is asked, on loopback)."""
+        return self.access.token
+
+    @property
+    def host_names(self) -> frozenset[str]:
+        """The names a request may use in its Host header."""
+        return self.access.host_names
 
     @property
     def url(self) -> str:
@@ -422,6 +498,16 @@ class DashboardServer(ThreadingHTTPServer):
         text = host.decode() if isinstance(host, bytes) else str(host)
         shown = f"[{text}]" if ":" in text else text
         return f"http://{shown}:{port!s}/"
+
+    @property
+    def login_url(self) -> str:
+        """Where to open the page: ``url`` (under this machine's name when it listens on
+        every address), with ``?token=...`` when a token is asked."""
+        url = self.url
+        host, port = self.server_address[:2]
+        if str(host) in ("0.0.0.0", "::"):
+            url = f"http://{socket.gethostname().lower()}:{port!s}/"
+        return url if self.token is None else f"{url}?token={quote(self.token, safe='')}"
 
     def server_close(self) -> None:
         super().server_close()
@@ -433,6 +519,10 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 8765,
     verbose: bool = False,
+    *,
+    token: str | None = None,
+    allowed_hosts: Iterable[str] = (),
+    request_timeout: float = REQUEST_TIMEOUT,
 ) -> DashboardServer:
     """A dashboard server on ``db`` (not yet serving: call ``serve_forever``).
 
@@ -442,10 +532,18 @@ def make_server(
         host: the address to listen on; the default serves this machine only.
         port: the TCP port; 0 picks a free one (see ``server.url``).
         verbose: log every request on stderr.
+        token: the token every request must carry (at least 16 characters). Default
+            ``$STEPWATCH_TOKEN``; without either, none on loopback and a random one
+            beyond it (``server.token``; ``server.login_url`` is the link to open).
+        allowed_hosts: more names a request's ``Host`` header may use besides this
+            machine's own (a reverse proxy's or a DNS alias's).
+        request_timeout: seconds a client may take to send a request's head, and a
+            connection may stay idle, before it is dropped.
 
     Raises:
         FileNotFoundError: no database at ``db``, or the chart library was not installed.
-        ValueError: ``db`` is not a stepwatch database, or a bad ``port``.
+        ValueError: ``db`` is not a stepwatch database, or a bad ``port``, ``token`` or
+            ``request_timeout``.
         OSError: the address cannot be bound (the port is taken).
     """
     if not isinstance(host, str) or not host:
@@ -453,10 +551,25 @@ def make_server(
     check_int("port", port, minimum=0)
     if port > 65535:
         raise ValueError(f"'port' must be at most 65535, but got {port}.")
+    check_number("request_timeout", request_timeout)
+    if not 0 < request_timeout < math.inf:
+        raise ValueError(
+            f"'request_timeout' must be a number of seconds above 0, but got {request_timeout}."
+        )
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
     check_assets()
     store = Store(db)
     try:
-        return DashboardServer(store, host, port, verbose=verbose)
+        return DashboardServer(
+            store,
+            host,
+            port,
+            verbose=verbose,
+            token=token,
+            allowed_hosts=allowed_hosts,
+            request_timeout=request_timeout,
+        )
     except BaseException:
         store.close()
         raise
@@ -468,26 +581,30 @@ def serve(
     port: int = 8765,
     verbose: bool = False,
     ready: Callable[[DashboardServer], None] | None = None,
+    *,
+    token: str | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> None:
     """Serve the dashboard until interrupted (Ctrl-C). ``ready`` is called with the server
-    once it listens (``stepwatch serve`` prints its URL there)."""
-    server = make_server(db, host, port, verbose)
+    once it listens (``stepwatch serve`` prints its login link there); the other arguments
+    are :func:`make_server`'s."""
+    server = make_server(db, host, port, verbose, token=token, allowed_hosts=allowed_hosts)
     previous = None
     if threading.current_thread() is threading.main_thread():
         # SIGTERM ends the server as Ctrl-C does: the store is closed, and SQLite removes its
         # -wal/-shm files.
         previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        if server.host_names is None or not server.host_names <= _LOCAL_NAMES:
+        if not server.access.loopback:
             print(
-                f"warning: the dashboard has no login: anyone who can reach {server.url} can "
-                "read every run in the store",
+                "note: the dashboard asks every request for its token (in the link below); "
+                "it goes over plain HTTP: on a network you do not trust, put HTTPS in front",
                 file=sys.stderr,
             )
         if ready is not None:
             ready(server)
         else:
-            print(f"stepwatch dashboard on {server.url} (Ctrl-C stops it)", file=sys.stderr)
+            print(f"stepwatch dashboard on {server.login_url} (Ctrl-C stops it)", file=sys.stderr)
         server.serve_forever(poll_interval=0.25)
     finally:
         server.server_close()
