@@ -34,8 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.store.notify",
         "stepwatch.store.system",
         "stepwatch.plotting",
-        "stepwatch.dashboard.server",
-        "stepwatch.dashboard.headless",
+        "stepwatch.dashboard.*",
     ),
     ("stepwatch.train.metrics", "stepwatch.train.serialization", "stepwatch.train.step"),
     ("stepwatch.train.state",),
@@ -55,7 +54,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("stepwatch.integrations.*",),
     # The package faces re-export everything; only the top may import them.
     ("stepwatch.demo", "stepwatch.amp", "<faces>"),
-    ("stepwatch.cli", "stepwatch._cli_checks", "stepwatch._cli_push", "stepwatch.__main__"),
+    (
+        "stepwatch.cli",
+        "stepwatch._cli_checks",
+        "stepwatch._cli_push",
+        "stepwatch._cli_serve",
+        "stepwatch.__main__",
+    ),
 ]
 # Modules are split by concept, not by a count; this only catches a module that has become
 # several concepts at once.

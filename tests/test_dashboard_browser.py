@@ -488,3 +488,125 @@ def test_a_team_dashboard_opens_from_its_login_link(
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def test_machine_and_trainer_host_are_apart_and_host_finds_the_bridge(
+    browser: Any, tmp_path: Path
+) -> None:
+    db = tmp_path / "bridges.db"
+    for host in ("lightning", "keras", "transformers"):
+        writer = RunWriter(db, name=f"{host}-fit", config={"host": host, "lr": 0.1})
+        writer.log("step_loss", 1.0, 1)
+        writer.close()
+    plain = RunWriter(db, name="plain", config={"lr": 0.1})
+    plain.log("step_loss", 1.0, 1)
+    plain.close()
+    with _served(db) as server:
+        browser.get(server.url)
+        wait_until(lambda: len(_rows(browser)) == 4)
+        heads = _texts(browser, "#runs thead th")
+        assert "machine" in heads and heads.count("host") == 1  # the config column only
+        assert _texts(browser, "#runs thead th.config") == ["host"]
+        machine = socket.gethostname()
+        for query, want in [
+            ("host:lightning", ["lightning-fit"]),
+            ("host:keras", ["keras-fit"]),
+            ("host!=keras", ["plain", "transformers-fit", "lightning-fit"]),
+            (f"machine:{machine}", ["plain", "transformers-fit", "keras-fit", "lightning-fit"]),
+            ("machine:lightning", []),
+            (f"host:{machine}", ["plain", "transformers-fit", "keras-fit", "lightning-fit"]),
+        ]:
+            _choose(browser, "#search", query)
+            wait_until(lambda want=want: _rows(browser) == want)
+
+
+_Y_LABELS = (
+    "const u = window.__stepwatch.state.charts.get('loss').plot; const ax = u.axes[1];"
+    "const ctx = document.createElement('canvas').getContext('2d'); ctx.font = ax.font[0];"
+    "const labels = (ax._values || []).filter(Boolean);"
+    "const widest = Math.max(...labels.map(v => ctx.measureText(v).width)) / devicePixelRatio;"
+    "return {labels, widest, room: ax._size - ax.ticks.size - ax.gap};"
+)
+
+
+def test_y_tick_labels_fit_their_axis(browser: Any, tmp_path: Path) -> None:
+    # Labels such as 0.00175 are wider than a fixed axis allows: they were cut to ").00175".
+    db = tmp_path / "small.db"
+    writer = RunWriter(db, name="small")
+    for step in range(1, 101):
+        writer.log("step_loss", 0.0016 + 0.0002 * (step % 10) / 10, step, 1)
+    writer.close()
+    with _served(db) as server:
+        browser.get(server.url)
+        wait_until(lambda: _chart(browser, "loss")["points"] == 100)
+        found = browser.execute_script(_Y_LABELS)
+        assert any(len(label) >= 7 for label in found["labels"]), found  # e.g. 0.00175
+        assert found["widest"] <= found["room"], found
+
+
+def test_checkpoints_fold_so_that_alerts_stand_out(browser: Any, tmp_path: Path) -> None:
+    db = tmp_path / "events.db"
+    writer = RunWriter(db, name="busy")
+    for step in range(1, 201):
+        writer.log("step_loss", 1.0 / step, step, 1 + step // 50)
+        if step % 10 == 0 and step not in (50, 130):
+            writer.event("checkpoint", f"saved busy-{step}.ckpt", step=step, epoch=1)
+        if step in (55, 135):
+            writer.event("alert", f"loss spike at {step}", step=step, epoch=1, level="warning",
+                         data={"kind": "spike", "actions": ["rolled back"]})  # fmt: skip
+    writer.close()
+    with _served(db) as server:
+        browser.get(server.url)
+        wait_until(lambda: _chart(browser, "loss")["points"] == 200)
+        wait_until(lambda: len(_texts(browser, "#events > li")) == 5)
+        assert _texts(browser, "#events > li.folded") == [
+            "run 1: 4 checkpoints, steps 10–40",
+            "run 1: 7 checkpoints, steps 60–120",
+            "run 1: 7 checkpoints, steps 140–200",
+        ]
+        alerts = _texts(browser, "#events > li.kind-alert")
+        assert [a.split(" [")[0] for a in alerts] == ["run 1 busy step 55", "run 1 busy step 135"]
+        assert _texts(browser, "#event-kinds label") == ["alert (2)", "checkpoint (18)"]
+        assert _chart(browser, "loss")["markers"].split("|") == ["1:55:alert", "1:135:alert"]
+        # Checkpoints shown again: listed (the last 20 of the rest) and marked, in the link.
+        _click(browser, "#event-kinds input[value='checkpoint']")
+        wait_until(lambda: len(_texts(browser, "#events > li")) == 20)
+        assert _texts(browser, "#events > li.folded") == []
+        assert len(_chart(browser, "loss")["markers"].split("|")) == 20
+        assert "hide=none" in browser.current_url
+        browser.get(browser.current_url)
+        wait_until(lambda: len(_texts(browser, "#events > li")) == 20)
+        # Alerts hidden too: they fold like the rest.
+        _click(browser, "#event-kinds input[value='alert']")
+        wait_until(lambda: _texts(browser, "#events > li.kind-alert") == [])
+        assert "hide=alert" in browser.current_url
+
+
+def test_a_search_matching_nothing_clears_the_charts(browser: Any, tmp_path: Path) -> None:
+    db = tmp_path / "sweep.db"
+    _sweep(db)
+    with _served(db) as server:
+        browser.get(server.url + "?runs=1,6")
+        wait_until(lambda: _chart(browser, "loss")["series"].count("|") == 1)
+        assert _texts(browser, "#events > li.kind-alert") != []
+        note = "#charts-note"
+        assert browser.find_element("css selector", note).is_displayed() is False
+        _choose(browser, "#search", "no-such-run")
+        wait_until(lambda: _rows(browser) == [])
+        wait_until(lambda: browser.find_elements("css selector", "#charts .chart") == [])
+        assert browser.find_elements("css selector", "#system-charts .chart") == []
+        assert _texts(browser, "#legend .run") == [] and _texts(browser, "#events > li") == []
+        assert (
+            "finds none of the 2 selected runs" in browser.find_element("css selector", note).text
+        )
+        # A search that finds one of them draws that one only.
+        _choose(browser, "#search", "status:anomaly")
+        wait_until(lambda: _rows(browser) == ["diverged"])
+        wait_until(lambda: _chart(browser, "loss")["series"] == "step_loss")
+        assert [
+            e.get_attribute("data-run")
+            for e in browser.find_elements("css selector", "#legend .run")
+        ] == ["6"]
+        _choose(browser, "#search", "")
+        wait_until(lambda: _chart(browser, "loss")["series"].count("|") == 1)
+        assert not browser.find_element("css selector", note).is_displayed()

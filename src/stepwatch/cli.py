@@ -22,6 +22,7 @@ from ._cli_checks import UsageError as _UsageError
 from ._cli_checks import check_demo_paths, check_device
 from ._cli_checks import one_line as _one_line
 from ._cli_push import cmd_push
+from ._cli_serve import add_serve_arguments, serve_store
 from ._version import __version__
 from .monitor.values import direction
 from .store._schema import STATUSES
@@ -129,29 +130,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--max-points", type=_positive_int, default=2000, help="points per curve (min/max kept)"
     )
     serve = with_db(sub.add_parser("serve", help="the live web dashboard on the run store"))
-    serve.add_argument(
-        "store", nargs="?", metavar="DB", help="the store, as --db (stepwatch serve runs.db)"
-    )
-    serve.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address (default 127.0.0.1: this machine only; 0.0.0.0: the network, with a token)",
-    )
-    serve.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any)")
-    serve.add_argument(
-        "--token",
-        default=None,
-        help="the token every request must carry (default $STEPWATCH_TOKEN; beyond 127.0.0.1 a "
-        "random one when neither is given; printed in the login link)",
-    )
-    serve.add_argument(
-        "--allow-host",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="another name the page may be reached by (a DNS alias, a reverse proxy; repeat)",
-    )
-    serve.add_argument("--verbose", action="store_true", help="log every request")
+    add_serve_arguments(serve)
     rm = with_db(sub.add_parser("rm", help="delete runs (asks first)"))
     rm.add_argument("runs", nargs="+", metavar="RUN", help="run ids or names")
     rm.add_argument("--yes", "-y", action="store_true", help="do not ask")
@@ -397,32 +376,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(
-    db: str | None,
-    host: str,
-    port: int,
-    verbose: bool = False,
-    token: str | None = None,
-    allowed_hosts: Sequence[str] = (),
-) -> int:
-    from .dashboard.server import DashboardServer, serve
-
-    def ready(server: DashboardServer) -> None:
-        print(f"stepwatch dashboard on {server.login_url}  (Ctrl-C stops it)", flush=True)
-
-    try:
-        serve(
-            db, host, port, verbose=verbose, ready=ready, token=token, allowed_hosts=allowed_hosts
-        )
-    except FileNotFoundError as exc:
-        raise _UsageError(f"{exc}") from None
-    except OSError as exc:
-        raise _UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    except KeyboardInterrupt:
-        print("stepwatch dashboard stopped")
-    return 0
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     db = args.db
     if args.store is not None:
@@ -430,7 +383,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise _UsageError(f"two stores given: {args.store} and --db {db}; pass one")
         db = args.store
     _open_store(db).close()  # a missing or foreign file: one clear line
-    return _serve(db, args.host, args.port, args.verbose, args.token, args.allow_host)
+    return serve_store(db, args.host, args.port, args.verbose, args.token, args.allow_host)
 
 
 # -- deleting --------------------------------------------------------------------------------
@@ -498,7 +451,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"  |  stepwatch export {run_id} --format csv --out run.csv{db_arg}"
     )
     if args.serve:
-        return _serve(args.db, "127.0.0.1", args.port)
+        return serve_store(args.db, "127.0.0.1", args.port)
     print(
         f"see its curves: stepwatch serve{db_arg}, then open "
         f"http://127.0.0.1:8765/?runs={run_id}  (or: stepwatch demo --serve)"

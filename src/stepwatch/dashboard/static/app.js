@@ -14,8 +14,11 @@ const FETCHES = 6; // metric requests in flight at once
 const PALETTE = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bf8700", "#0a7b83", "#e16f24", "#bf3989", "#57606a", "#116329"];
 const DASHES = [undefined, [7, 4], [2, 3], [10, 3, 2, 3], [4, 6]];
 const EVENT_COLORS = { checkpoint: "#1a7f37", stop: "#cf222e", alert: "#bf8700", status: "#8250df" };
+const HIDDEN_KINDS = ["checkpoint"]; // event kinds left out of the list and the charts at first
+const Y_FONT = "12px system-ui, sans-serif"; // the y axis labels' font, measured for its width
+// The run's machine is "machine": "host" is the bridges' config key (lightning, keras, ...).
 const COLUMNS = [
-  ["id", "id", true], ["name", "name"], ["status", "status"], ["host", "host"], ["started", "started"],
+  ["id", "id", true], ["name", "name"], ["status", "status"], ["host", "machine"], ["started", "started"],
   ["duration", "duration", true], ["steps", "steps", true], ["last_loss", "last loss", true], ["best_loss", "best loss", true],
 ];
 
@@ -38,6 +41,7 @@ const state = {
   sort: { col: "id", dir: "desc" },
   cols: null, // chosen config columns, or null: the config keys that differ between runs
   keyFilter: "",
+  hiddenKinds: new Set(HIDDEN_KINDS), // event kinds not listed nor marked
   shownPanels: PAGE_PANELS,
   allRows: false,
   busy: false,
@@ -122,6 +126,8 @@ function writeURL() {
   if (forced(true)) p.set("log", forced(true));
   if (forced(false)) p.set("lin", forced(false));
   if (state.zoom) p.set("zoom", state.zoom.join(","));
+  const hidden = [...state.hiddenKinds].sort().join(",");
+  if (hidden !== [...HIDDEN_KINDS].sort().join(",")) p.set("hide", hidden || "none");
   const text = p.toString().replace(/%2C/g, ",").replace(/%2F/g, "/").replace(/%3A/g, ":").replace(/%3D/g, "=");
   history.replaceState(null, "", text ? `?${text}` : location.pathname);
 }
@@ -141,6 +147,7 @@ function readURL(known) {
   for (const name of (p.get("lin") || "").split(",").filter(Boolean)) state.ylog.set(name, false);
   const zoom = (p.get("zoom") || "").split(",").map(Number);
   state.zoom = zoom.length === 2 && zoom.every(Number.isFinite) && zoom[0] < zoom[1] ? zoom : null;
+  if (p.has("hide")) state.hiddenKinds = new Set(p.get("hide").split(",").filter((k) => k && k !== "none"));
   document.getElementById("search").value = state.query;
   document.getElementById("columns").value = state.cols ? state.cols.join(", ") : "";
   document.getElementById("key-filter").value = state.keyFilter;
@@ -166,9 +173,14 @@ function flatConfig(run) {
   return out;
 }
 
-function fieldOf(run, name) {
-  if (["id", "name", "status", "host", "user", "started", "duration", "steps", "last_loss", "best_loss"].includes(name)) return run[name];
-  return flatConfig(run)[name];
+// The values a search term's field names: "machine" is where the run ran; "host" is the
+// bridges' config key (lightning, keras, ...) and, for a run without one, the machine.
+function fieldValues(run, name) {
+  if (name === "machine") return [run.host, run.user ? `${run.user}@${run.host}` : undefined];
+  const config = flatConfig(run)[name];
+  if (name === "host") return [config, run.host];
+  if (["id", "name", "status", "user", "started", "duration", "steps", "last_loss", "best_loss"].includes(name)) return [run[name]];
+  return [config];
 }
 
 const TOKEN = /^([A-Za-z_][\w.\/-]*)(:|=|>=|<=|>|<|!=)(.*)$/;
@@ -177,18 +189,20 @@ function matches(run, token) {
   const found = TOKEN.exec(token);
   if (found) {
     const [, name, op, want] = found;
-    const have = fieldOf(run, name);
-    if (have === undefined || have === null) return op === "!=";
-    if (op === ">" || op === "<" || op === ">=" || op === "<=") {
-      const a = Number(have), b = Number(want);
-      if (!Number.isFinite(a) || !Number.isFinite(b)) return false;
-      return op === ">" ? a > b : op === "<" ? a < b : op === ">=" ? a >= b : a <= b;
-    }
-    const same = typeof have === "number" && want.trim() !== "" && Number.isFinite(Number(want))
-      ? have === Number(want)
-      : name === "status" || op === "=" || op === "!=" ? String(have).toLowerCase() === want.toLowerCase()
-        : String(have).toLowerCase().includes(want.toLowerCase());
-    return op === "!=" ? !same : same;
+    const values = fieldValues(run, name).filter((v) => v !== undefined && v !== null && v !== "");
+    if (!values.length) return op === "!=";
+    const holds = (have) => {
+      if (op === ">" || op === "<" || op === ">=" || op === "<=") {
+        const a = Number(have), b = Number(want);
+        if (!Number.isFinite(a) || !Number.isFinite(b)) return false;
+        return op === ">" ? a > b : op === "<" ? a < b : op === ">=" ? a >= b : a <= b;
+      }
+      return typeof have === "number" && want.trim() !== "" && Number.isFinite(Number(want))
+        ? have === Number(want)
+        : name === "status" || op === "=" || op === "!=" ? String(have).toLowerCase() === want.toLowerCase()
+          : String(have).toLowerCase().includes(want.toLowerCase());
+    };
+    return op === "!=" ? !values.some(holds) : values.some(holds);
   }
   const text = [run.name, run.status, run.host, run.user, ...Object.entries(flatConfig(run)).map(([k, v]) => `${k}=${v}`)];
   return text.some((t) => String(t).toLowerCase().includes(lower));
@@ -207,6 +221,14 @@ function foundRuns() {
     return (dir === "asc" ? order : -order) || b.id - a.id;
   });
   return rows;
+}
+
+// The runs on the charts: the selected ones that the search finds (the table's runs).
+function drawnRuns() {
+  const ids = [...state.selected].sort((a, b) => a - b);
+  if (!state.query) return ids;
+  const found = new Set(foundRuns().map((r) => r.id));
+  return ids.filter((id) => found.has(id));
 }
 
 function configColumns() {
@@ -422,7 +444,7 @@ function keyWanted(key) {
 // the system group's charts are apart and always drawn, the others a page at a time.
 function plannedPanels() {
   const byPanel = new Map();
-  for (const run of [...state.selected].sort((a, b) => a - b)) {
+  for (const run of drawnRuns()) {
     for (const key of state.keys.get(run) || []) {
       if (!keyWanted(key)) continue;
       const name = panelOf(run, key);
@@ -481,7 +503,7 @@ async function loadRun(run) {
 }
 
 async function loadSelection() {
-  const runs = [...state.selected];
+  const runs = drawnRuns();
   await Promise.all(runs.map(loadRun));
   const jobs = [];
   for (const run of runs) for (const key of visibleKeys(run)) if (!state.series.has(`${run}|${key}`)) jobs.push(fetchSeries(run, key));
@@ -491,7 +513,7 @@ async function loadSelection() {
 
 async function refetchVisible() {
   const jobs = [];
-  for (const run of state.selected) for (const key of visibleKeys(run)) jobs.push(fetchSeries(run, key));
+  for (const run of drawnRuns()) for (const key of visibleKeys(run)) jobs.push(fetchSeries(run, key));
   await Promise.all(jobs);
   document.getElementById("zoom-range").textContent = state.zoom ? `${fmtX(state.zoom[0])} – ${fmtX(state.zoom[1])}` : "";
   draw();
@@ -552,10 +574,11 @@ async function tick() {
         state.summaries.set(run.id, { time: Date.now(), summary: await getJSON(`api/runs/${run.id}/summary`) });
       }
     }
+    const drawn = new Set(drawnRuns());
     for (const run of state.runs) {
       const old = before.get(run.id);
       const moved = old && (old.steps !== run.steps || old.status !== run.status);
-      if (state.selected.has(run.id) && moved && (await followLive(run.id))) redraw = true;
+      if (drawn.has(run.id) && moved && (await followLive(run.id))) redraw = true;
     }
     // Redrawn only when something changed: a row under the mouse stays put.
     const seen = JSON.stringify(state.runs) + [...state.summaries.values()].map((e) => e.time).join();
@@ -601,7 +624,7 @@ function hasBand(held) {
 
 function chartEntries(name, plan) {
   const panelKeys = [...new Set(plan.byPanel.get(name).map((e) => e.key))].sort();
-  const many = state.selected.size > 1;
+  const many = drawnRuns().length > 1;
   const out = [];
   for (const { run, key } of plan.byPanel.get(name)) {
     let held = state.series.get(`${run}|${key}`);
@@ -684,7 +707,7 @@ function eventsOf(entries) {
   const out = [];
   for (const run of new Set(entries.map((e) => e.run))) {
     for (const ev of state.events.get(run) || []) {
-      if (ev.step === null || ev.step === undefined) continue;
+      if (ev.step === null || ev.step === undefined || state.hiddenKinds.has(ev.kind)) continue;
       const x = toX(run, [ev.step]);
       if (x && x[0] !== null) out.push({ ...ev, run, x: x[0] });
     }
@@ -805,6 +828,19 @@ function xAxis() {
   return axis;
 }
 
+// The y axis as wide as its widest label (uPlot's fixed 50 px clips "0.00175"): uPlot asks
+// again after each labelling until the size settles.
+function yAxisSize(u, values, axisIdx, cycleNum) {
+  const axis = u.axes[axisIdx];
+  if (cycleNum > 1) return axis._size;
+  let widest = 0;
+  if (values) {
+    u.ctx.font = Y_FONT;
+    for (const v of values) if (v) widest = Math.max(widest, u.ctx.measureText(v).width);
+  }
+  return Math.ceil(Math.max(40, widest + axis.ticks.size + axis.gap + 6));
+}
+
 function makeChart(chart) {
   const { series, bands, lines } = seriesOptions(chart.entries);
   chart.lines = lines;
@@ -812,7 +848,7 @@ function makeChart(chart) {
     width: chartWidth(chart.div),
     height: 260,
     scales: { x: { time: state.axis === "time" }, y: chart.log ? { distr: 3 } : {} },
-    axes: [xAxis(), { size: 60, values: (u, splits) => splits.map(fmtTick) }],
+    axes: [xAxis(), { size: yAxisSize, font: Y_FONT, values: (u, splits) => splits.map(fmtTick) }],
     cursor: { drag: { x: true, y: false, setScale: false }, sync: { key: "x" }, points: { show: false } },
     legend: { show: false },
     series,
@@ -857,7 +893,7 @@ function keyLegend(entries) {
 }
 
 function renderLegend() {
-  const ids = [...state.selected].sort((a, b) => a - b);
+  const ids = drawnRuns();
   document.getElementById("legend").innerHTML = ids.map((id) => {
     const run = runById(id);
     return `<span class="run" data-run="${escapeHTML(id)}"><span class="swatch" style="background:${runColor(id)}"></span>` +
@@ -918,12 +954,15 @@ function draw() {
     document.getElementById(chart.system ? "system-charts" : "charts").appendChild(chart.div);
   }
   document.getElementById("system-box").hidden = plan.system === 0;
+  const note = document.getElementById("charts-note");
+  note.hidden = !(state.selected.size && !drawnRuns().length);
+  note.textContent = `the search finds none of the ${state.selected.size} selected runs: clear it, or tick a run it finds`;
   const more = document.getElementById("more-panels");
   const left = plan.total - Math.min(plan.total, state.shownPanels);
   more.hidden = left <= 0;
   more.textContent = `${Math.min(left, PAGE_PANELS)} more charts (${left} not drawn)`;
   const keys = new Set();
-  for (const run of state.selected) for (const k of state.keys.get(run) || []) keys.add(k);
+  for (const run of drawnRuns()) for (const k of state.keys.get(run) || []) keys.add(k);
   document.getElementById("key-count").textContent = keys.size > 12
     ? `${keys.size} keys, ${plan.total + plan.system} charts${plan.total > state.shownPanels ? `, first ${state.shownPanels} drawn` : ""}`
     : "";
@@ -932,34 +971,84 @@ function draw() {
   if (window.__stepwatch.interactive === null && state.charts.size) window.__stepwatch.interactive = performance.now();
 }
 
+function eventLine(run, ev) {
+  const li = document.createElement("li");
+  li.className = `kind-${String(ev.kind).replace(/[^a-z]/g, "")}`;
+  const info = runById(run);
+  const where = ev.step === null ? "" : ` step ${ev.step}`;
+  const what = ev.kind === "alert" && ev.data && ev.data.kind ? ` ${ev.data.kind}` : "";
+  li.innerHTML = `<span class="swatch" style="background:${runColor(run)}"></span>`;
+  li.append(`run ${run} ${info ? info.name : ""}${where} [${ev.kind}${what}] ${ev.message}`);
+  const actions = (ev.data && Array.isArray(ev.data.actions)) ? ev.data.actions : [];
+  if (actions.length) {
+    const ul = document.createElement("ul");
+    ul.className = "actions";
+    for (const a of actions) {
+      const item = document.createElement("li");
+      item.textContent = `→ ${a}`;
+      ul.appendChild(item);
+    }
+    li.appendChild(ul);
+  }
+  return li;
+}
+
+// Hidden events between two shown ones: one quiet line ("8 checkpoints, steps 10–80").
+function foldedLine(run, folded) {
+  const li = document.createElement("li");
+  li.className = "folded";
+  const counts = new Map();
+  for (const ev of folded) counts.set(ev.kind, (counts.get(ev.kind) || 0) + 1);
+  const steps = folded.map((ev) => ev.step).filter((s) => s !== null && s !== undefined);
+  const span = !steps.length ? "" : steps.length === 1 ? `, step ${steps[0]}` : `, steps ${steps[0]}–${steps[steps.length - 1]}`;
+  const plural = (k, n) => (n === 1 ? k : k.endsWith("s") ? `${k}es` : `${k}s`);
+  li.textContent = `run ${run}: ${[...counts].map(([k, n]) => `${n} ${plural(k, n)}`).join(", ")}${span}`;
+  return li;
+}
+
+function renderEventKinds(counts) {
+  const box = document.getElementById("event-kinds");
+  const boxes = [...counts].sort(([a], [b]) => a.localeCompare(b)).map(([kind, n]) => {
+    const label = document.createElement("label");
+    label.className = `kind-${String(kind).replace(/[^a-z]/g, "")}`;
+    const input = document.createElement("input");
+    input.type = "checkbox";
+    input.value = kind;
+    input.checked = !state.hiddenKinds.has(kind);
+    input.addEventListener("change", () => {
+      if (input.checked) state.hiddenKinds.delete(kind); else state.hiddenKinds.add(kind);
+      writeURL();
+      draw();
+    });
+    label.append(input, `${kind} (${n})`);
+    return label;
+  });
+  box.replaceChildren(...boxes);
+}
+
 function renderEvents() {
   const items = [];
-  for (const run of [...state.selected].sort((a, b) => a - b)) {
+  const counts = new Map();
+  for (const run of drawnRuns()) {
     const all = state.events.get(run) || [];
-    // Every alert and stop (what the monitors did), and the last 20 of the rest.
-    const rest = all.filter((ev) => ev.kind !== "alert" && ev.kind !== "stop").slice(-20);
-    for (const ev of all.filter((e) => e.kind === "alert" || e.kind === "stop" || rest.includes(e))) {
-      const li = document.createElement("li");
-      li.className = `kind-${String(ev.kind).replace(/[^a-z]/g, "")}`;
-      const info = runById(run);
-      const where = ev.step === null ? "" : ` step ${ev.step}`;
-      const what = ev.kind === "alert" && ev.data && ev.data.kind ? ` ${ev.data.kind}` : "";
-      li.innerHTML = `<span class="swatch" style="background:${runColor(run)}"></span>`;
-      li.append(`run ${run} ${info ? info.name : ""}${where} [${ev.kind}${what}] ${ev.message}`);
-      const actions = (ev.data && Array.isArray(ev.data.actions)) ? ev.data.actions : [];
-      if (actions.length) {
-        const ul = document.createElement("ul");
-        ul.className = "actions";
-        for (const a of actions) {
-          const item = document.createElement("li");
-          item.textContent = `→ ${a}`;
-          ul.appendChild(item);
-        }
-        li.appendChild(ul);
+    for (const ev of all) counts.set(ev.kind, (counts.get(ev.kind) || 0) + 1);
+    // Every alert and stop (what the monitors did), and the last 20 of the rest that are shown;
+    // the hidden kinds fold into one line between the shown events.
+    const important = (ev) => ev.kind === "alert" || ev.kind === "stop";
+    const rest = all.filter((ev) => !important(ev) && !state.hiddenKinds.has(ev.kind)).slice(-20);
+    let folded = [];
+    for (const ev of all) {
+      if (!state.hiddenKinds.has(ev.kind) && (important(ev) || rest.includes(ev))) {
+        if (folded.length) items.push(foldedLine(run, folded));
+        folded = [];
+        items.push(eventLine(run, ev));
+      } else if (state.hiddenKinds.has(ev.kind)) {
+        folded.push(ev);
       }
-      items.push(li);
     }
+    if (folded.length) items.push(foldedLine(run, folded));
   }
+  renderEventKinds(counts);
   document.getElementById("events").replaceChildren(...items);
 }
 
@@ -994,6 +1083,7 @@ function setupControls() {
     state.query = ev.target.value.trim();
     writeURL();
     renderTable();
+    loadSelection().catch(showError); // the charts show the selected runs the search finds
   }, 150));
   document.getElementById("columns").addEventListener("change", (ev) => {
     const cols = ev.target.value.split(",").map((s) => s.trim()).filter(Boolean);
