@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# The dashboard's chart library, fetched from npm and shipped inside the package (not committed).
-UPLOT_VERSION := 1.6.32
+# The dashboard's chart library, fetched from npm and shipped inside the package (not committed):
+# every build places it (build_support/stepwatch_build.py, which pins its version and hashes).
 VENDOR := src/stepwatch/dashboard/static/vendor
 UPLOT := $(VENDOR)/uPlot.iife.min.js
 
@@ -17,12 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --disable-pip-version-check -q "torch==2.13.0" -e ".[dev]"
 	touch $(STAMP)
 
-$(UPLOT): Makefile
-	@command -v npm >/dev/null || { echo "make install: npm is needed to fetch uPlot $(UPLOT_VERSION), the dashboard's chart library"; exit 1; }
-	rm -rf build/npm && mkdir -p build/npm $(VENDOR)
-	cd build/npm && npm pack --silent uplot@$(UPLOT_VERSION) >/dev/null && tar -xzf uplot-$(UPLOT_VERSION).tgz
-	cp build/npm/package/dist/uPlot.min.css build/npm/package/LICENSE $(VENDOR)/
-	cp build/npm/package/dist/uPlot.iife.min.js $(UPLOT)
+$(UPLOT): Makefile build_support/stepwatch_build.py
+	$(PY) build_support/stepwatch_build.py
 
 # The browser tests use Debian's Chromium; as root it is installed when missing, otherwise
 # those tests skip (and .ci/run turns that skip into a failure).
@@ -44,13 +40,13 @@ demo: install
 	$(VENV)/bin/stepwatch demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests bench examples
-	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/ruff check src tests bench examples build_support
+	$(VENV)/bin/ruff format --check src tests bench examples build_support
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format src tests bench examples
-	$(VENV)/bin/ruff check --fix src tests bench examples
+	$(VENV)/bin/ruff format src tests bench examples build_support
+	$(VENV)/bin/ruff check --fix src tests bench examples build_support
 
 test: lint
 	$(PY) -m pytest -q

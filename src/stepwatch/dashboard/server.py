@@ -80,8 +80,8 @@ def check_assets(static: Path = STATIC) -> None:
     if missing:
         raise FileNotFoundError(
             f"the dashboard's chart library is missing ({', '.join(missing)} in {static}): "
-            "it is fetched from npm by the install step; run `make install` in a source "
-            "checkout, or reinstall stepwatch from a built package"
+            "every build of stepwatch fetches it from npm; in a source checkout run `make "
+            "install`, `pip install -e .` or `python build_support/stepwatch_build.py`"
         )
 
 
