@@ -20,8 +20,7 @@ from torch import nn
 
 from .._tensor import check_loss
 from .._validation import _got, check_int, user_stacklevel
-from ..view.run import RunView
-from .callback._callback import CallbackParams, RunContext, normalize_callbacks
+from .callback._callback import normalize_callbacks
 from .engine import RunEngine, torch_controls
 
 __all__ = ["WatchedRun", "watch"]
@@ -32,20 +31,23 @@ _NEVER = 1 << 62  # a step no run reaches
 _DONE = _NEVER + 1  # the long-epoch warning was given
 
 
-class WatchedRun:
+class WatchedRun(RunEngine):
     """One run of a hand-written training loop, watched by stepwatch's callbacks.
 
-    Made by :func:`watch`; use it as a context manager. It drives a
-    :class:`~stepwatch.train.engine.RunEngine`, as ``Model`` and the bridges do: between
-    ``__enter__`` and ``__exit__`` the callbacks' ``on_train_begin`` ... ``on_train_end`` hooks
-    run as in ``Model.train``: the epoch-begin hooks when an epoch's first step arrives, the
-    step hooks in :meth:`step`, the epoch-end hooks in :meth:`epoch_end`.
+    Made by :func:`watch`; use it as a context manager. It is the
+    :class:`~stepwatch.train.engine.RunEngine` that ``Model`` and the bridges drive too, with
+    the checks a hand-written loop needs: between ``__enter__`` and ``__exit__`` the
+    callbacks' ``on_train_begin`` ... ``on_train_end`` hooks run as in ``Model.train``: the
+    epoch-begin hooks when an epoch's first step arrives, the step hooks in :meth:`step`, the
+    epoch-end hooks in :meth:`epoch_end`.
 
     Attributes:
         cb_params: the run's cb_params (the same fields ``Model.train`` gives callbacks).
         run_context: the RunContext every hook receives.
         view: the run view (:class:`stepwatch.view.RunView`).
-        engine: the run engine this loop drives.
+        rollbacks: ``(restored_step, at_step)`` for every rollback an action did: the network
+            and optimizer are as they were after ``restored_step``; the batches of the steps
+            after it, up to ``at_step``, were trained and undone.
     """
 
     def __init__(
@@ -59,12 +61,9 @@ class WatchedRun:
         lr_scheduler: Any = None,
         dataset: Any = None,
     ) -> None:
-        controls = torch_controls(
-            "loop", network, optimizer, lr_scheduler=lr_scheduler, dataset=dataset
-        )
-        self.engine = RunEngine(
+        super().__init__(
             callbacks,
-            controls,
+            torch_controls("loop", network, optimizer, lr_scheduler=lr_scheduler, dataset=dataset),
             network=network,
             optimizer=optimizer,
             epochs=epochs,
@@ -73,62 +72,19 @@ class WatchedRun:
             lr_scheduler=lr_scheduler,
             dataset=dataset,
         )
-        self.cb_params: CallbackParams = self.engine.cb_params
-        self.run_context: RunContext = self.engine.run_context
-        self.view: RunView = self.engine.view
         self._steps_per_epoch = steps_per_epoch
         self._long_after = _NEVER  # a step past the epoch's steps_per_epoch: warn once
         self._warned: set[str] = set()  # the warnings given once
 
-    # -- what the loop reads ---------------------------------------------------------------------
-    @property
-    def should_stop(self) -> bool:
-        """True once a callback asked the run to stop: leave the loop (it stays True after the
-        run ended, with :attr:`stop_reason` saying why)."""
-        return self.engine.should_stop
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the run was asked to stop (``'nonfinite at step 37'``), or None."""
-        return self.engine.stop_reason
-
-    @property
-    def stop_kind(self) -> str | None:
-        """``'requested'``, ``'interrupted'`` or ``'anomaly'`` once a stop was asked, else None."""
-        return self.engine.stop_kind
-
-    @property
-    def step_num(self) -> int:
-        """The global step of the last :meth:`step` (0 before the first)."""
-        return self.engine.step_num
-
-    @property
-    def epoch_num(self) -> int:
-        """The current epoch, 1-based (0 before the first step)."""
-        return self.engine.epoch_num
-
-    @property
-    def rollbacks(self) -> list[tuple[int, int]]:
-        """``(restored_step, at_step)`` for every rollback an action did: the network and
-        optimizer are as they were after ``restored_step``; the batches of the steps after
-        it, up to ``at_step``, were trained and undone."""
-        return self.engine.rollbacks
-
-    @property
-    def looks_next(self) -> bool:
-        """Whether the callbacks look at the next :meth:`step` (gather outputs for it)."""
-        return self.engine.looks_next
-
     # -- the run ---------------------------------------------------------------------------------
     def __enter__(self) -> WatchedRun:
-        if self.engine.state != "new":
+        if self.state != "new":
             raise RuntimeError("this run was already started; call stepwatch.watch(...) again")
-        self.engine.open()
+        self.open()
         return self
 
-    def _begin_epoch(self) -> None:
-        engine = self.engine
-        engine.begin_epoch()
+    def begin_epoch(self) -> None:
+        super().begin_epoch()
         p = self.cb_params
         if p.cur_epoch_num > p.initial_epoch + p.epoch_num:
             self._warn_once(
@@ -137,9 +93,9 @@ class WatchedRun:
                 "progress and the run's config count that many. Pass the epochs the loop runs.",
             )
         if self._long_after != _DONE:
-            self._long_after = engine.step_num + self._steps_per_epoch
+            self._long_after = self.step_num + self._steps_per_epoch
 
-    def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> None:
+    def step(self, loss: torch.Tensor, outputs: Any = None, batch: Any = None) -> bool:
         """Tell the run that one optimizer step is done.
 
         Call it after ``optimizer.step()`` (and before the next ``zero_grad``, so gradient
@@ -156,16 +112,18 @@ class WatchedRun:
             outputs: the network's output for the batch (``cb_params.outputs``), optional.
             batch: the batch (``cb_params.train_dataset_element``), optional.
 
+        Returns:
+            Whether a callback asked the run to stop (:attr:`should_stop`).
+
         Raises:
             TypeError: ``loss`` is not a tensor. ValueError: it holds more than one value.
             RuntimeError: the run is not open (outside ``with``, or after it ended).
         """
-        engine = self.engine
-        if engine.state != "running":
+        if self.state != "running":
             raise RuntimeError(
                 "run.step() was called outside the run: use it inside 'with stepwatch.watch(...) "
                 "as run:', before the block ends."
-                if engine.state == "ended"
+                if self.state == "ended"
                 else "run.step() was called before the run started: enter it first with "
                 "'with stepwatch.watch(...) as run:'."
             )
@@ -173,12 +131,12 @@ class WatchedRun:
             check_loss(
                 "run.step()", loss, "the step's loss tensor (the one backward() was called on)"
             )
-        if not engine.in_epoch:
-            self._begin_epoch()
-        if engine.step_num >= self._long_after:
+        if not self.in_epoch:
+            self.begin_epoch()
+        if self.step_num >= self._long_after:
             self._long_after = _DONE
             warnings.warn(
-                f"epoch {engine.epoch_num} has more steps than steps_per_epoch="
+                f"epoch {self.epoch_num} has more steps than steps_per_epoch="
                 f"{self._steps_per_epoch}; step numbers within the epoch will be off (and "
                 "without run.epoch_end() every step counts as this epoch's). Pass "
                 "watch(..., steps_per_epoch=len(loader)) and call run.epoch_end() after each "
@@ -186,7 +144,7 @@ class WatchedRun:
                 UserWarning,
                 stacklevel=2,
             )
-        engine.step(loss, outputs, batch)
+        return super().step(loss, outputs, batch)
 
     def epoch_end(self, loss: float | None = None, **values: float) -> None:
         """Tell the run that an epoch is done, with its values.
@@ -201,8 +159,7 @@ class WatchedRun:
         Raises:
             RuntimeError: the run is not open. TypeError: a value is not a number.
         """
-        engine = self.engine
-        if engine.state != "running":
+        if self.state != "running":
             raise RuntimeError(
                 "run.epoch_end() was called outside the run: use it inside 'with "
                 "stepwatch.watch(...) as run:'."
@@ -211,18 +168,18 @@ class WatchedRun:
         read = {name: _number(name, value) for name, value in values.items()}
         if loss is not None:
             read["loss"] = _number("loss", loss)
-        if not engine.in_epoch:
+        if not self.in_epoch:
             self._warn_once(
                 "empty",
                 "run.epoch_end() was called with no run.step() since the last epoch's end: this "
                 "makes an epoch without steps. Call it once after each epoch.",
             )
-            self._begin_epoch()
-        steps = engine.epoch_steps
-        if 0 < steps < self._steps_per_epoch and not engine.should_stop:
+            self.begin_epoch()
+        steps = self.epoch_steps
+        if 0 < steps < self._steps_per_epoch and not self.should_stop:
             self._warn_once(
                 "short",
-                f"epoch {engine.epoch_num} had {steps} steps, not steps_per_epoch="
+                f"epoch {self.epoch_num} had {steps} steps, not steps_per_epoch="
                 f"{self._steps_per_epoch}: step numbers within the epoch are off. Pass "
                 "watch(..., steps_per_epoch=len(loader)) (batches, not samples).",
             )
@@ -234,7 +191,7 @@ class WatchedRun:
                 f"(train_{misnamed[0]}): name validation values eval_<name> (eval_loss, "
                 "eval_accuracy).",
             )
-        engine.end_epoch(read)
+        self.end_epoch(read)
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -242,7 +199,7 @@ class WatchedRun:
             warnings.warn(message, UserWarning, stacklevel=user_stacklevel())
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.engine.close(exc if exc_type is not None else None)
+        self.close(exc if exc_type is not None else None)
 
 
 def _number(name: str, value: Any) -> float:
