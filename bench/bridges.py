@@ -556,6 +556,9 @@ def transformers_variants(
                 seed=SEED,
             )
             trainer = Trainer(model=net, args=args, train_dataset=rows, callbacks=[timer, *mine])
+            for bridge in mine:  # as the docs show: the bridge reads the Trainer's own loss
+                if isinstance(bridge, StepwatchCallback):
+                    bridge.attach(trainer)
             if switch:
                 timer.clock.switch = Switch(
                     lambda: trainer.callback_handler.callbacks,

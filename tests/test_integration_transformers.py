@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import inspect
 import io
 import json
 import math
@@ -140,13 +142,17 @@ def _trainer(
     model.poison = dict(poison or {})
     if eval_dataset is None and args.get("eval_strategy", "no") != "no":
         eval_dataset = Data(seed=1)
-    return Trainer(
+    trainer = Trainer(
         model=model,
         args=_args(tmp_path, **args),
         train_dataset=Data(),
         eval_dataset=eval_dataset,
         callbacks=callbacks,
     )
+    for callback in callbacks:  # as the docs show: the bridge reads the Trainer's own loss
+        if isinstance(callback, StepwatchCallback):
+            callback.attach(trainer)
+    return trainer
 
 
 def _computed(trainer: Trainer) -> list[float]:
@@ -263,8 +269,8 @@ def test_micro_batch_losses_normalised_over_the_step_add_up_as_the_trainer_adds_
     )  # fmt: skip
     trainer = Trainer(
         model=Normalising(TinyConfig()), args=args, train_dataset=Data(),
-        callbacks=[StepwatchCallback([recorder])],
     )  # fmt: skip
+    StepwatchCallback([recorder]).attach(trainer)
     assert trainer.model_accepts_loss_kwargs
     trainer.train()
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
@@ -463,9 +469,8 @@ def test_a_loss_computed_outside_the_model_is_the_one_recorded(tmp_path: Path) -
         watch = StepwatchCallback([recorder])
         torch.manual_seed(0)
         model = TinyModel(TinyConfig())
-        trainer = OwnLoss(
-            model=model, args=_args(tmp_path, **logging), train_dataset=Data(), callbacks=[watch]
-        )
+        trainer = OwnLoss(model=model, args=_args(tmp_path, **logging), train_dataset=Data())
+        watch.attach(trainer)
         trainer.watch = watch if handed else None
         trainer.train()
         assert "training_step" not in vars(trainer)  # the Trainer's own is back
@@ -487,8 +492,9 @@ def test_a_loss_computed_outside_the_model_is_the_one_recorded(tmp_path: Path) -
     torch.manual_seed(0)
     trainer = Trainer(
         model=NoLoss(TinyConfig()), args=_args(tmp_path, gradient_accumulation_steps=2, **logging),
-        train_dataset=Data(), callbacks=[StepwatchCallback([recorder])], compute_loss_func=mse,
+        train_dataset=Data(), compute_loss_func=mse,
     )  # fmt: skip
+    StepwatchCallback([recorder]).attach(trainer)
     trainer.train()
     with Store(db) as store:
         steps, losses = store.metrics(recorder.run_id, values.STEP_LOSS)
@@ -691,3 +697,43 @@ def test_wrong_use_gets_a_clear_error() -> None:
     with pytest.raises(ValueError, match="must hold one value"):
         watch.record_loss(torch.ones(3))
     assert watch.callbacks[0].__class__ is LossMonitor and watch.run is None
+
+
+def test_the_reach_into_the_trainer_is_pinned_to_the_releases_it_was_written_for() -> None:
+    """The bridge wraps Trainer.training_step (integrations/_transformers_loss.py): the
+    installed release is one it was written for, and the method takes what the wrapper
+    passes on (model, inputs, then the rest) and is the Trainer's own."""
+    from packaging.version import Version
+
+    from stepwatch.integrations._transformers_loss import WRITTEN_FOR
+
+    low, high = (Version(v) for v in WRITTEN_FOR)
+    assert low <= Version(importlib.metadata.version("transformers")) < high
+    params = list(inspect.signature(Trainer.training_step).parameters)
+    assert params[:3] == ["self", "model", "inputs"]
+
+
+def test_attach_names_the_trainer_and_without_it_the_models_loss_is_read(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    watch = StepwatchCallback([RunRecorder(db=db)])
+    with pytest.raises(TypeError, match=r"attach\(\) takes the transformers.Trainer"):
+        watch.attach(object())  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    trainer = OwnLoss(model=TinyModel(TinyConfig()), args=_args(tmp_path), train_dataset=Data())
+    assert watch.attach(trainer) is watch and watch.attach(trainer) is watch
+    assert [cb for cb in trainer.callback_handler.callbacks if cb is watch] == [watch]  # once
+
+    class NoLoss(TinyModel):  # the loss is the Trainer's own, computed outside the model
+        def forward(self, x: torch.Tensor, labels: Any = None) -> Any:  # type: ignore[override]
+            return {"logits": self.net(x)}
+
+    def mse(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        return nn.functional.mse_loss(outputs["logits"], labels)
+
+    unattached = StepwatchCallback([RunRecorder(db=db)])
+    trainer = Trainer(
+        model=NoLoss(TinyConfig()), args=_args(tmp_path), train_dataset=Data(),
+        callbacks=[unattached], compute_loss_func=mse,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"no loss in step 1 .*\.attach\(trainer\)"):
+        trainer.train()

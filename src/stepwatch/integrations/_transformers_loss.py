@@ -1,16 +1,18 @@
 """The loss of each optimizer step of a ``transformers.Trainer``, for its bridge.
 
-The Trainer hands callbacks no loss. While a Trainer trains, :class:`StepLoss` wraps its
-``training_step`` (on that Trainer object only) and keeps the detached loss it returns for
-each micro-batch: the step's loss is their sum, as the Trainer adds them for its own log. For
-a caller that is not a Trainer, a forward hook reads the ``loss`` the model returns instead.
-A forward hook gathers the model's outputs only for the steps the callbacks look at.
+The Trainer hands callbacks no loss. This module is the one place the bridge reaches inside
+the Trainer: while a Trainer the callback was attached to
+(:meth:`~stepwatch.integrations.transformers.StepwatchCallback.attach`) trains,
+:class:`StepLoss` wraps its ``training_step`` (on that Trainer object only) and keeps the
+detached loss it returns for each micro-batch: the step's loss is their sum, as the Trainer
+adds them for its own log. It relies on ``training_step(model, inputs, ...)`` returning that
+loss, as the Trainer versions in :data:`WRITTEN_FOR` do (a test pins them). Without an attached
+Trainer, a forward hook reads the ``loss`` the model returns instead. A forward hook gathers
+the model's outputs only for the steps the callbacks look at.
 """
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,10 +21,12 @@ from torch import nn
 
 from ._bridge import Bridge
 
-__all__ = ["StepLoss", "running_trainer"]
+__all__ = ["WRITTEN_FOR", "StepLoss"]
 
-# How many callers up on_train_begin looks for the Trainer (its train loop is three up).
-_CALLERS = 8
+# The transformers releases whose Trainer.training_step this module was written and tested for
+# (lowest included, highest excluded); pyproject's 'transformers' extra asks for the same.
+WRITTEN_FOR = ("4.46", "6")
+
 # What a Trainer's instance held under "training_step" when it had nothing of its own.
 _ABSENT = object()
 
@@ -198,8 +202,10 @@ class StepLoss:
                     f"transformers.StepwatchCallback: the model returned no loss in step "
                     f"{step} (its output holds no 'loss'): this trainer computes the loss "
                     "outside the model (compute_loss_func, label_smoothing_factor or a "
-                    "compute_loss of your own). Call this callback's record_loss(loss) in "
-                    "compute_loss, or have the model return {'loss': ...}."
+                    "compute_loss of your own). Attach this callback to its Trainer "
+                    "(StepwatchCallback([...]).attach(trainer)) to record the Trainer's loss, "
+                    "call its record_loss(loss) in compute_loss, or have the model return "
+                    "{'loss': ...}."
                 )
         if len(losses) == 1:
             loss = losses[0]
@@ -220,31 +226,6 @@ class StepLoss:
         self.recorded = None
         self.outputs = None
         self.inputs = None
-
-
-def running_trainer(callback: Any) -> Any:
-    """The ``transformers.Trainer`` whose ``train()`` is calling ``callback``'s
-    ``on_train_begin`` (found among the callers of the caller), or None."""
-    module = sys.modules.get("transformers.trainer")
-    if module is None:  # no Trainer was ever made in this process
-        return None
-    try:
-        frame: types.FrameType | None = sys._getframe(2)
-    except ValueError:  # called from the outermost code: no Trainer above it
-        return None
-    try:
-        for _ in range(_CALLERS):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, module.Trainer):
-                handler = getattr(owner, "callback_handler", None)
-                listed = getattr(handler, "callbacks", ())
-                return owner if any(c is callback for c in listed) else None
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

@@ -7,9 +7,10 @@ Trainer callback::
     from stepwatch import AnomalyMonitor, LossMonitor, RunRecorder
     from stepwatch.integrations.transformers import StepwatchCallback
 
-    watch = StepwatchCallback([RunRecorder(db="runs.db"), AnomalyMonitor(), LossMonitor(10)])
     trainer = Trainer(model=model, args=TrainingArguments("out", eval_strategy="epoch"),
-                      train_dataset=train_ds, eval_dataset=eval_ds, callbacks=[watch])
+                      train_dataset=train_ds, eval_dataset=eval_ds)
+    watch = StepwatchCallback([RunRecorder(db="runs.db"), AnomalyMonitor(), LossMonitor(10)])
+    watch.attach(trainer)  # runs in this Trainer and records its own step loss
     with watch:  # optional: a failure inside train() is stored as 'failed' right away
         trainer.train()
 
@@ -19,8 +20,9 @@ item is it), ``compute_loss_func``'s, label smoothing's or your own ``compute_lo
 
 What the bridge reads from the Trainer:
 
-- **the loss, without a device sync.** The Trainer hands callbacks no loss. While it trains,
-  the bridge wraps the running Trainer's ``training_step`` (on that Trainer object only; it is
+- **the loss, without a device sync.** The Trainer hands callbacks no loss. While the Trainer
+  the callback was attached to (:meth:`StepwatchCallback.attach`) trains, the bridge wraps
+  its ``training_step`` (on that Trainer object only; it is
   put back when training ends, or fails inside ``with callback:``; after a failure outside it,
   at this callback's next ``train()``) and keeps what it returns for each micro-batch: the
   detached loss the Trainer adds up for its own log (a device tensor: nothing is read on quiet
@@ -29,10 +31,12 @@ What the bridge reads from the Trainer:
   loss. That is the loss the Trainer logs, step by step, before its ``logging_nan_inf_filter``
   hides non-finite ones, however it was computed: by the model, ``compute_loss_func``,
   ``label_smoothing_factor`` or a ``compute_loss`` of your own.
-  :meth:`StepwatchCallback.record_loss` hands over a different one. (Called by something that
-  is not a ``transformers.Trainer``, the bridge reads the ``loss`` the model returns through a
-  forward hook instead, combined the same way; a loss computed outside the model must then be
-  handed over with ``record_loss``, or the run stops with an error naming these ways.)
+  :meth:`StepwatchCallback.record_loss` hands over a different one. (Passed to a Trainer's
+  ``callbacks`` without ``attach``, or called by something that is not a Trainer, the bridge
+  reads the ``loss`` the model returns through a forward hook instead, combined the same way;
+  a loss computed outside the model must then be handed over with ``record_loss``, or the run
+  stops with an error naming these ways.) This reach into the Trainer is the bridge's only
+  one, in ``_transformers_loss.py``, written for the releases its ``WRITTEN_FOR`` names.
 - the step (``on_optimizer_step``: once per optimizer step, so one step spans all the
   gradient-accumulation micro-batches), the epoch, the steps per epoch
   (``ceil(len(train_dataloader) / gradient_accumulation_steps)``, or ``max_steps`` for a
@@ -101,10 +105,11 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .._tensor import check_loss
+from .._validation import _got
 from ..train.engine import torch_controls
 from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
 from ._transformers_checkpoint import write_checkpoint
-from ._transformers_loss import StepLoss, running_trainer
+from ._transformers_loss import StepLoss
 
 __all__ = ["StepwatchCallback"]
 
@@ -162,6 +167,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         super().__init__()
         self._bridge = Bridge(callbacks)
         self._loss = StepLoss(self._bridge)  # the step's loss, outputs and inputs
+        self._trainer: weakref.ref[Any] | None = None  # the Trainer attach() named
         self._args: TrainingArguments | None = None
         self._state: TrainerState | None = None
         self._model: nn.Module | None = None
@@ -172,6 +178,40 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._evals: dict[str, float] = {}  # this epoch's evaluation values
         self._epoch_waits = False  # the epoch ended; its evaluation comes next
         self._epoch_done = False  # ... and came: further evaluations are stored directly
+
+    # -- the Trainer this callback runs in -------------------------------------------------------
+    def attach(self, trainer: transformers.Trainer) -> StepwatchCallback:
+        """Run in ``trainer`` and record its own step loss: this callback is added to its
+        callbacks (unless they hold it already), and while it trains the bridge reads the
+        loss its ``training_step`` returns - however it was computed. Returns this callback.
+
+        Without it, the bridge reads the ``loss`` the model returns (a loss computed outside
+        the model then needs :meth:`record_loss`).
+
+        Raises:
+            TypeError: ``trainer`` is not a ``transformers.Trainer``.
+
+        Example:
+            >>> trainer = Trainer(model=model, args=args, train_dataset=ds)
+            >>> watch = StepwatchCallback([RunRecorder(db="runs.db")]).attach(trainer)
+            >>> trainer.train()
+        """
+        if not isinstance(trainer, transformers.Trainer):
+            raise TypeError(
+                f"attach() takes the transformers.Trainer this callback runs in, but got "
+                f"{_got(trainer)}: pass the Trainer (StepwatchCallback([...]).attach(trainer))."
+            )
+        if not any(cb is self for cb in trainer.callback_handler.callbacks):
+            trainer.add_callback(self)
+        self._trainer = weakref.ref(trainer)
+        return self
+
+    def _attached(self) -> Any:
+        """The Trainer :meth:`attach` named, while this callback is still among its callbacks."""
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None or not any(cb is self for cb in trainer.callback_handler.callbacks):
+            return None
+        return trainer
 
     # -- what a Trainer with its own loss calls ------------------------------------------------
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -235,7 +275,7 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._evals, self._epoch_waits, self._epoch_done = {}, False, False
         sharded = bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
         torch_parts = isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
-        trainer = running_trainer(self)
+        trainer = self._attached()
         if trainer is None and getattr(args, "n_gpu", 1) > 1:
             logger.warning(
                 "stepwatch: this Trainer runs %d GPUs in one process (DataParallel); the "
