@@ -428,3 +428,42 @@ def test_a_stepwatch_callback_handed_to_fit_itself_says_where_it_belongs() -> No
     with pytest.raises(AttributeError, match=where):
         _fit(model, [LossMonitor(1)], epochs=1)
     assert getattr(LossMonitor(1), "not_a_field", None) is None  # getattr's default still works
+
+
+def test_misuse_is_refused_before_training_and_stores_nothing(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    with pytest.raises(TypeError, match=r"keras.StepwatchCallback\(\) got no callbacks"):
+        StepwatchCallback()
+    bridge = StepwatchCallback([RunRecorder(db=db)])
+    model = _compiled(RecordingModel())
+    with pytest.raises(ValueError, match="in model.fit's callbacks 2 times"):
+        _fit(model, [bridge, bridge], epochs=1)
+    assert not db.exists() and not model.computed  # refused before the first step
+    _fit(model, [bridge], epochs=1)  # listed once, the same bridge records
+    with Store(db) as store:
+        (run,) = store.runs()
+        assert run.status == "finished" and run.steps == STEPS
+
+    from stepwatch.integrations.lightning import StepwatchCallback as LightningBridge
+
+    with pytest.raises(AttributeError, match=r"use stepwatch.integrations.keras.StepwatchCall"):
+        _fit(_compiled(RecordingModel()), [LightningBridge([LossMonitor()])], epochs=1)
+
+
+def test_the_stored_config_names_functions_without_memory_addresses(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+
+    def my_loss(y_true: Any, y_pred: Any) -> Any:
+        return keras.ops.mean(keras.ops.square(y_true - y_pred))
+
+    for _ in range(2):
+        model = keras.Sequential(_layers())
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss=my_loss)
+        _fit(model, [StepwatchCallback([RunRecorder(db=db)])], epochs=1)
+    with Store(db) as store:
+        first, second = (run.config["host_config"] for run in store.runs())
+    for config in (first, second):  # Keras numbers the names of the objects it makes
+        config.pop("model")
+        config["optimizer_config"].pop("name")
+    assert first == second  # two identical runs do not differ
+    assert first["loss"].endswith("my_loss") and " at 0x" not in json.dumps(first)

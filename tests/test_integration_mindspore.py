@@ -223,3 +223,23 @@ def test_a_resumed_mindspore_run_numbers_its_epochs_as_mindspore_does(tmp_path: 
         assert [(p[1], p[2]) for p in store.points(info.id) if p[0] == values.LOSS] == [
             (8, 2), (16, 3),
         ]  # fmt: skip
+
+
+def test_sink_mode_on_the_cpu_numbers_steps_as_the_hooks_come(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MindSpore's batch_num is the sink size in dataset sink mode, but the CPU does not sink:
+    every batch still calls the step hooks, so an epoch is the dataset's batches."""
+    db = tmp_path / "runs.db"
+    recorder, host = RunRecorder(db=db), HostLosses()
+    model, _ = _model()
+    bridge = StepwatchCallback([recorder, LossMonitor(STEPS)])
+    model.train(2, _data(), callbacks=[host, bridge], dataset_sink_mode=True, sink_size=2)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch")]
+    assert [line.split(", loss")[0] for line in printed] == [
+        f"epoch: 1 step: {STEPS}",
+        f"epoch: 2 step: {STEPS}",
+    ]
+    with Store(db) as store:
+        steps, _ = store.metrics(recorder.run_id, values.STEP_LOSS)
+    assert steps.tolist() == list(range(1, 2 * STEPS + 1)) == list(range(1, len(host.losses) + 1))

@@ -737,3 +737,11 @@ def test_attach_names_the_trainer_and_without_it_the_models_loss_is_read(tmp_pat
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"no loss in step 1 .*\.attach\(trainer\)"):
         trainer.train()
+
+
+def test_the_class_handed_to_the_trainer_is_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"transformers.StepwatchCallback\(\) got no callbacks"):
+        Trainer(
+            model=TinyModel(TinyConfig()), args=_args(tmp_path), train_dataset=Data(),
+            callbacks=[StepwatchCallback],
+        )  # fmt: skip

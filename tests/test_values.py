@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from stepwatch.monitor import values
 from stepwatch.monitor.values import direction, epoch_values, metric_directions
 
 
@@ -55,3 +56,9 @@ def test_bare_names_mean_one_thing_for_the_whole_run() -> None:
     stored = epoch_values(train, {"loss": 0.6, "eval_loss": 0.6}, validates=True, aliases=False)
     assert stored == {"loss": 0.5, "train_accuracy": 0.8, "eval_loss": 0.6}
     assert not math.isnan(stored["eval_loss"])
+
+
+def test_values_hosts_log_under_short_names_get_one_name() -> None:
+    assert values.from_host("val_acc") == values.from_host("val_accuracy") == "eval_accuracy"
+    assert values.from_host("train_acc") == values.from_host("acc") == "train_accuracy"
+    assert values.from_host("val/loss") == "eval_loss" and values.from_host("train_loss") == "loss"

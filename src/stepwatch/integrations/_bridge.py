@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,9 @@ class RateFunctions:
         return f"RateFunctions(lr={self._get():g})"
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def clean_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` as JSON can hold it: numbers, strings, lists and dicts; anything else as
     its text, and values that cannot be turned into text left out."""
@@ -86,7 +90,9 @@ def clean_config(config: Mapping[str, Any]) -> dict[str, Any]:
             return {str(k): clean(v, depth + 1) for k, v in value.items()}
         if depth < 4 and isinstance(value, (list, tuple)):
             return [clean(v, depth + 1) for v in value]
-        text = str(value)
+        if callable(value) and hasattr(value, "__qualname__"):  # a function, a class
+            return f"{getattr(value, '__module__', '') or ''}.{value.__qualname__}".lstrip(".")
+        text = _ADDRESS.sub("", str(value))  # no memory address: equal settings, equal text
         return text if len(text) <= 200 else text[:197] + "..."
 
     out = {}
@@ -129,7 +135,13 @@ class Bridge:
         callbacks: a stepwatch Callback or a list of them (checked now).
     """
 
-    def __init__(self, callbacks: Any = None) -> None:
+    def __init__(self, callbacks: Any = None, owner: str = "StepwatchCallback") -> None:
+        if callbacks is None:
+            raise TypeError(
+                f"{owner}() got no callbacks: pass the stepwatch callbacks it runs, "
+                f"{owner}([RunRecorder(), AnomalyMonitor(), ...]) (an empty list runs none). A "
+                "trainer handed the class itself makes one this way: pass an instance."
+            )
         self.callbacks = normalize_callbacks(callbacks)
         self.run: RunEngine | None = None  # the run in progress
         self.last: RunEngine | None = None  # the latest run, in progress or ended
@@ -221,10 +233,35 @@ class Bridge:
             run.close(exc)
 
 
+# Hooks another trainer asks its callbacks for first, and the trainer each one means: a
+# bridge handed to the wrong trainer is told which bridge belongs there.
+_ASKED_BY = {
+    "set_model": "keras", "set_params": "keras", "on_batch_begin": "keras",
+    "on_batch_end": "keras", "on_train_batch_begin": "keras",
+    "setup": "lightning", "teardown": "lightning", "on_fit_start": "lightning",
+    "on_train_batch_start": "lightning", "on_exception": "lightning",
+    "on_init_end": "transformers", "on_step_begin": "transformers",
+    "on_optimizer_step": "transformers",
+    "begin": "mindspore", "step_end": "mindspore", "on_train_step_end": "mindspore",
+}  # fmt: skip
+
+
 class BridgeFace:
     """What every bridge's ``StepwatchCallback`` shows its user, over its :class:`Bridge`."""
 
     _bridge: Bridge
+    host = ""  # the trainer this bridge runs in ('keras', 'lightning', ...)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what the bridge's own trainer class lacks: another trainer's first hook.
+        other = _ASKED_BY.get(name)
+        if other is not None and other != self.host:
+            raise AttributeError(
+                f"{type(self).__module__}.StepwatchCallback is stepwatch's bridge into "
+                f"{self.host}, and {other} asked it for its hook {name!r}: in {other}, use "
+                f"stepwatch.integrations.{other}.StepwatchCallback([...]) instead."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def callbacks(self) -> list[Any]:

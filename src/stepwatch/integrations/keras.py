@@ -301,6 +301,8 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
+    host = "keras"
+
     def __init__(self, callbacks: Any = None) -> None:
         _check_backend()
         items = callbacks if isinstance(callbacks, (list, tuple)) else [callbacks]
@@ -313,14 +315,25 @@ class StepwatchCallback(BridgeFace, keras.callbacks.Callback):
                     "[...]) next to StepwatchCallback."
                 )
         super().__init__()
-        self._bridge = Bridge(callbacks)
+        self._bridge = Bridge(callbacks, "keras.StepwatchCallback")
         self._capture = _LossCapture()
         self._rate: _Rate | None = None
         self._wrapped: dict[str, Any] = {}
         self._noted_logs_loss = False
 
     # -- Keras's hooks -------------------------------------------------------------------------
+    def set_params(self, params: Any) -> None:
+        # fit's callback list hands every callback in it the same params: handed twice in a
+        # row, this callback is in the list twice.
+        self._listed = getattr(self, "_listed", 0) + 1 if params and params is self.params else 1
+        super().set_params(params)
+
     def on_train_begin(self, logs: Any = None) -> None:
+        if getattr(self, "_listed", 1) > 1:
+            raise ValueError(
+                f"this {_OWNER} is in model.fit's callbacks {self._listed} times: it would "
+                "record every step that many times. List it once."
+            )
         model = self.model
         if not isinstance(model, torch.nn.Module):
             raise TypeError(

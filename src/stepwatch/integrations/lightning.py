@@ -165,9 +165,11 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
+    host = "lightning"
+
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks)
+        self._bridge = Bridge(callbacks, "lightning.StepwatchCallback")
         self._pending: list[torch.Tensor] = []
         self._seen_step = 0
         self._accumulate = 1

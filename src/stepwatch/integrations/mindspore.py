@@ -88,9 +88,11 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
         stop_reason: why a stepwatch callback stopped it, or None.
     """
 
+    host = "mindspore"
+
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks)
+        self._bridge = Bridge(callbacks, "mindspore.StepwatchCallback")
         self._context: Any = None
 
     # -- MindSpore's hooks ---------------------------------------------------------------------
@@ -120,7 +122,7 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
             # MindSpore's epoch_num is what this call trains (epoch - initial_epoch); a
             # resumed run's first epoch number is known when it begins.
             epochs=int(p.get("epoch_num", 1) or 1),
-            steps_per_epoch=int(p.get("batch_num", 1) or 1),
+            steps_per_epoch=_steps_per_epoch(p),
             initial_step=int(p.get("cur_step_num", 0) or 0),
             dataset=p.get("train_dataset"),
             loss_fn=p.get("loss_fn"),
@@ -175,6 +177,19 @@ class StepwatchCallback(BridgeFace, mindspore.train.Callback):
             return path
 
         return save
+
+
+def _steps_per_epoch(p: Any) -> int:
+    """The step calls an epoch brings. MindSpore's ``batch_num`` is the sink size when the
+    training asked for dataset sink mode; the CPU does not sink (its cb_params then say
+    ``dataset_sink_mode=False``), and every batch calls the step hooks."""
+    batch_num = int(p.get("batch_num", 1) or 1)
+    if mindspore.get_context("device_target") == "CPU":
+        dataset = p.get("train_dataset")
+        size = dataset.get_dataset_size() if dataset is not None else None
+        if size:
+            return int(size)
+    return batch_num
 
 
 def _first(p: Any, *keys: str) -> Any:

@@ -163,9 +163,11 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         ...     trainer.train()
     """
 
+    host = "transformers"
+
     def __init__(self, callbacks: Any = None) -> None:
         super().__init__()
-        self._bridge = Bridge(callbacks)
+        self._bridge = Bridge(callbacks, "transformers.StepwatchCallback")
         self._loss = StepLoss(self._bridge)  # the step's loss, outputs and inputs
         self._trainer: weakref.ref[Any] | None = None  # the Trainer attach() named
         self._args: TrainingArguments | None = None

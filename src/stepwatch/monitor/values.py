@@ -97,22 +97,26 @@ def eval_name(metric: str) -> str:
 
 _HOST_EVAL = ("val_", "valid_", "validation_", "eval_", "test_")
 _HOST_TRAIN = ("train_",)
+# Short names hosts' users log for the same value: one name each, so that runs from different
+# hosts land on one chart (Lightning's ``val_acc`` beside Keras's ``val_accuracy``).
+_HOST_SHORT = {"acc": "accuracy"}
 
 
 def from_host(name: str) -> str:
     """The stepwatch name of a value another trainer logged: ``val_loss``, ``valid_loss``,
-    ``val/loss`` and ``eval_loss`` are ``eval_loss``; ``val_acc`` is ``eval_acc``;
-    ``train_loss`` and ``train/loss`` are ``loss``; ``train_acc`` stays; any other name is
-    taken as a training value (``acc`` -> ``train_acc``; ``loss`` stays)."""
+    ``val/loss`` and ``eval_loss`` are ``eval_loss``; ``val_acc`` and ``val_accuracy`` are
+    ``eval_accuracy``; ``train_loss`` and ``train/loss`` are ``loss``; ``train_acc`` is
+    ``train_accuracy``; any other name is taken as a training value (``acc`` ->
+    ``train_accuracy``; ``loss`` stays)."""
     flat = name.replace("/", "_").replace(".", "_")
     for prefix in _HOST_EVAL:
         if flat.startswith(prefix) and len(flat) > len(prefix):
-            return eval_name(flat[len(prefix) :])
+            return eval_name(_HOST_SHORT.get(flat[len(prefix) :], flat[len(prefix) :]))
     for prefix in _HOST_TRAIN:
         if flat.startswith(prefix) and len(flat) > len(prefix):
-            rest = flat[len(prefix) :]
-            return LOSS if rest == LOSS else train_name(rest)
-    return flat if flat == LOSS else train_name(flat)
+            flat = flat[len(prefix) :]
+            break
+    return flat if flat == LOSS else train_name(_HOST_SHORT.get(flat, flat))
 
 
 def _base(name: str) -> str:
