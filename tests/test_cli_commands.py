@@ -116,6 +116,20 @@ def test_show_loss_is_the_same_quantity_as_in_runs(
     assert "  loss      best 2, last 3 (per step, key 'step_loss')" in out.splitlines()
 
 
+def test_show_lists_the_config_one_setting_a_line(
+    capsys: pytest.CaptureFixture[str], db: Path
+) -> None:
+    code, out, err = cli(capsys, "show", "full", "--db", str(db))
+    assert code == 0, err
+    lines = out.splitlines()
+    at = lines.index("  config")
+    assert lines[at + 1 : at + 4] == [
+        "    directions.eval_score = min",
+        "    lr = 0.1",
+        "    seed = 0",
+    ]
+
+
 def test_show_best_follows_each_values_direction(
     capsys: pytest.CaptureFixture[str], db: Path
 ) -> None:

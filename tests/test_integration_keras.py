@@ -436,7 +436,7 @@ def test_misuse_is_refused_before_training_and_stores_nothing(tmp_path: Path) ->
         StepwatchCallback()
     bridge = StepwatchCallback([RunRecorder(db=db)])
     model = _compiled(RecordingModel())
-    with pytest.raises(ValueError, match="in model.fit's callbacks 2 times"):
+    with pytest.raises(ValueError, match=r"in model\.fit's callbacks 2 times"):
         _fit(model, [bridge, bridge], epochs=1)
     assert not db.exists() and not model.computed  # refused before the first step
     _fit(model, [bridge], epochs=1)  # listed once, the same bridge records

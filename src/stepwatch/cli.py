@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import _format as fmt
 from ._cli_checks import UsageError as _UsageError
@@ -248,8 +248,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     if run.dropped:
         print(f"  dropped   {run.dropped} records")
     if run.config:
-        config = ", ".join(f"{k}={fmt.value(v)}" for k, v in sorted(run.config.items()))
-        print(f"  config    {config}")
+        print("  config")
+        for key, value in _flat(run.config):  # one setting a line: a host's are many
+            print(f"    {key} = {fmt.value(value)}")
     if summary:
         rows = []
         for key, stats in summary.items():
@@ -274,6 +275,17 @@ def cmd_show(args: argparse.Namespace) -> int:
             done = f" [{'; '.join(map(str, acts))}]" if isinstance(acts, list) and acts else ""
             print(f"  [{event['kind']}] {where} {event['message']}{done}".rstrip())
     return 0
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """A config's settings, nested ones under dotted names, sorted."""
+    out: list[tuple[str, Any]] = []
+    for key, value in sorted(config.items()):
+        if isinstance(value, dict) and value:
+            out.extend(_flat(value, f"{prefix}{key}."))
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def _config_differences(runs: list[RunInfo]) -> list[list[str]]:
