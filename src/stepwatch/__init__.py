@@ -104,56 +104,22 @@ __all__ = [
 ]
 
 # Importing the package loads none of these (nor PyTorch): each comes on first use.
-_TRAIN_NAMES = (
-    "MAE",
-    "MSE",
-    "Accuracy",
-    "AnomalyMonitor",
-    "BackupAndRestore",
-    "Callback",
-    "CheckpointConfig",
-    "DistributedMonitor",
-    "DynamicLossScaleManager",
-    "EarlyStopping",
-    "FixedLossScaleManager",
-    "History",
-    "LambdaCallback",
-    "LearningRateScheduler",
-    "Loss",
-    "LossMonitor",
-    "Metric",
-    "Model",
-    "ModelCheckpoint",
-    "OnRequestExit",
-    "PlotMonitor",
-    "Precision",
-    "ProgressBar",
-    "Recall",
-    "ReduceLROnPlateau",
-    "RunContext",
-    "TerminateOnNaN",
-    "TimeMonitor",
-    "TopKCategoricalAccuracy",
-    "WatchedRun",
-    "load_checkpoint",
-    "save_checkpoint",
-    "watch",
-)
+_ELSEWHERE = {
+    "CallbackParams": ".train.callback",
+    "Tensor": "._tensor",
+    "NumpySlicesDataset": ".dataset",
+    "Alert": ".monitor",
+    "Every": ".monitor",
+    "RingBuffer": ".monitor",
+    "RunRecorder": ".store",
+    "RunWriter": ".store",
+    "Store": ".store",
+}
 __getattr__, __dir__ = lazy_face(
     __name__,
     globals(),
-    {
-        **dict.fromkeys(_TRAIN_NAMES, ".train"),
-        "CallbackParams": ".train.callback",
-        "Tensor": "._tensor",
-        "NumpySlicesDataset": ".dataset",
-        "Alert": ".monitor",
-        "Every": ".monitor",
-        "RingBuffer": ".monitor",
-        "RunRecorder": ".store",
-        "RunWriter": ".store",
-        "Store": ".store",
-    },
+    # the public names not listed elsewhere are stepwatch.train's
+    {name: _ELSEWHERE.get(name, ".train") for name in __all__ if name != "__version__"},
     submodules=("amp", "dataset", "distributed", "monitor", "store", "train", "view"),
 )
-del TYPE_CHECKING, lazy_face, _TRAIN_NAMES
+del TYPE_CHECKING, lazy_face, _ELSEWHERE

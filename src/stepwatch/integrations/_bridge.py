@@ -150,49 +150,38 @@ class Bridge:
     def running(self) -> bool:
         return self.run is not None
 
-    def begin(
-        self,
-        host: Host,
-        *,
-        epochs: int,
-        steps_per_epoch: int,
-        dataset: Any = None,
-        lr_scheduler: Any = None,
-        loss_fn: Any = None,
-        initial_step: int = 0,
-        initial_epoch: int = 0,
-    ) -> RunEngine:
+    def begin(self, host: Host, *, epochs: int, initial_epoch: int = 0, **run: Any) -> RunEngine:
         """Open the run: the callbacks' ``on_train_begin`` hooks run here.
 
         Args:
             host: the host's controls and parts.
-            epochs: the host's last epoch (its total); steps_per_epoch: optimizer steps each.
-            dataset / lr_scheduler / loss_fn: the host's training data, LR schedule and loss.
-            initial_step / initial_epoch: where a resumed host run goes on from (steps and
-                epochs already done); the run's step and epoch numbers count on from there.
+            epochs: the host's last epoch (its total, counted from 1).
+            initial_epoch: epochs a resumed host run already did; the run's epoch numbers
+                count on from there.
+            run: the rest of :class:`~stepwatch.train.engine.RunEngine`'s arguments:
+                ``steps_per_epoch``, ``initial_step``, ``dataset``, ``lr_scheduler``,
+                ``loss_fn``.
         """
         if self.run is not None:  # a run the host never ended (it crashed between fits)
             self.end(RuntimeError("the host started a new run before ending this one"))
         epochs, initial_epoch = max(1, int(epochs)), max(0, int(initial_epoch))
-        run = RunEngine(
+        run["steps_per_epoch"] = max(1, int(run["steps_per_epoch"]))
+        run["initial_step"] = max(0, int(run.get("initial_step", 0)))
+        engine = RunEngine(
             self.callbacks,
             host.controls,
             network=host.network,
             optimizer=host.optimizer,
-            # epochs counts from 1: the run trains those after the ones already done
+            # the run trains the epochs after the ones already done
             epochs=max(1, epochs - initial_epoch) if initial_epoch else epochs,
-            steps_per_epoch=max(1, int(steps_per_epoch)),
-            initial_step=max(0, int(initial_step)),
             initial_epoch=initial_epoch,
-            loss_fn=loss_fn,
-            lr_scheduler=lr_scheduler,
-            dataset=dataset,
             rank=host.rank,
             world=host.world,
+            **run,
         )
-        run.open()
-        self.run = self.last = run
-        return run
+        engine.open()
+        self.run = self.last = engine
+        return engine
 
     def epoch_begins(self, epoch: int, total: bool = False) -> None:
         """The host's next epoch is ``epoch`` (1-based), for a host that tells where a resumed
