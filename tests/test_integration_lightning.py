@@ -403,7 +403,7 @@ def test_lightning_calls_only_the_batch_hooks_the_bridge_uses() -> None:
             calls.append(trainer.global_step)
 
     user = SeedStyle()
-    trainer, _ = _fit([StepwatchCallback([user]), Mine()], epochs=1, profiler="simple")
+    trainer, _ = _fit([StepwatchCallback([user]), Mine([])], epochs=1, profiler="simple")
     called = {
         name.split(".", 1)[1]
         for name in trainer.profiler.recorded_durations
