@@ -186,6 +186,9 @@ def test_wrong_use_gets_a_clear_error() -> None:
         stepwatch.watch(net, 0.1, steps_per_epoch=4)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="'steps_per_epoch' must be an int"):
         stepwatch.watch(net, opt, steps_per_epoch=None)  # type: ignore[arg-type]
+    other = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="'optimizer' updates none of the network's parameters"):
+        stepwatch.watch(net, other, steps_per_epoch=4)
     with pytest.raises(ValueError, match="'epochs' must be an int >= 1"):
         stepwatch.watch(net, opt, epochs=0, steps_per_epoch=4)
     with pytest.raises(TypeError, match="not an instance"):

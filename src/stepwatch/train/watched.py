@@ -21,6 +21,7 @@ from torch import nn
 from .._tensor import check_loss
 from .._validation import _got, check_int, user_stacklevel
 from .callback._callback import normalize_callbacks
+from .checks import check_optimizer
 from .engine import RunEngine, torch_controls
 
 __all__ = ["WatchedRun", "watch"]
@@ -244,7 +245,8 @@ def watch(
         each optimizer step and ``run.epoch_end(...)`` after each epoch.
 
     Raises:
-        TypeError / ValueError: an argument of the wrong type or value, naming it; a callback
+        TypeError / ValueError: an argument of the wrong type or value, naming it; an
+            ``optimizer`` that updates none of ``network``'s parameters; a callback
             that measures gradients (``AnomalyMonitor``'s gradient detectors) with no
             ``network``; one that changes the optimizer (``reduce_lr`` and ``rollback``
             actions, ReduceLROnPlateau, LearningRateScheduler) with no ``optimizer``.
@@ -270,6 +272,8 @@ def watch(
             f"watch()'s 'optimizer' must be a torch.optim.Optimizer or None, but got "
             f"{_got(optimizer)}."
         )
+    if network is not None and optimizer is not None:
+        check_optimizer(network, optimizer)  # as Model checks it: else nothing would learn
     cbs = normalize_callbacks(callbacks)
     epochs = check_int("epochs", epochs, minimum=1)
     steps_per_epoch = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
