@@ -112,8 +112,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_only(self) -> None:
         """Any method but GET and HEAD: the dashboard only reads (405, with the JSON error)."""
-        body = json.dumps({"error": f"{self.command} is not allowed: the dashboard only reads; "
-                           "use GET"}).encode()  # fmt: skip
+        body = json.dumps(
+            {"error": f"{self.command} is not allowed: the dashboard only reads; use GET"}
+        ).encode()
         self.close_connection = True  # a body it may have sent is not read
         self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
         self.send_header("Allow", "GET, HEAD")
@@ -221,8 +222,10 @@ class _Handler(BaseHTTPRequestHandler):
                 )
             # The page again, without the token in its address (history, shared links).
             kept = urlencode([(k, x) for k, xs in fields.items() if k != "token" for x in xs])
-            headers = {"Location": "./" + (f"?{kept}" if kept else ""),
-                       "Set-Cookie": access.login_cookie()}  # fmt: skip
+            headers = {
+                "Location": "./" + (f"?{kept}" if kept else ""),
+                "Set-Cookie": access.login_cookie(),
+            }
             self._send(HTTPStatus.SEE_OTHER, "text/plain; charset=utf-8", b"", head, headers)
             return False
         if access.admits(self.headers.get("Authorization"), self.headers.get("Cookie")):

@@ -225,14 +225,23 @@ class Bridge:
 # Hooks another trainer asks its callbacks for first, and the trainer each one means: a
 # bridge handed to the wrong trainer is told which bridge belongs there.
 _ASKED_BY = {
-    "set_model": "keras", "set_params": "keras", "on_batch_begin": "keras",
-    "on_batch_end": "keras", "on_train_batch_begin": "keras",
-    "setup": "lightning", "teardown": "lightning", "on_fit_start": "lightning",
-    "on_train_batch_start": "lightning", "on_exception": "lightning",
-    "on_init_end": "transformers", "on_step_begin": "transformers",
+    "set_model": "keras",
+    "set_params": "keras",
+    "on_batch_begin": "keras",
+    "on_batch_end": "keras",
+    "on_train_batch_begin": "keras",
+    "setup": "lightning",
+    "teardown": "lightning",
+    "on_fit_start": "lightning",
+    "on_train_batch_start": "lightning",
+    "on_exception": "lightning",
+    "on_init_end": "transformers",
+    "on_step_begin": "transformers",
     "on_optimizer_step": "transformers",
-    "begin": "mindspore", "step_end": "mindspore", "on_train_step_end": "mindspore",
-}  # fmt: skip
+    "begin": "mindspore",
+    "step_end": "mindspore",
+    "on_train_step_end": "mindspore",
+}
 
 
 class BridgeFace:

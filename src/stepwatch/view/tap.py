@@ -174,8 +174,10 @@ class LossTap:
         """
         level = check_number("level", level)
         if math.isnan(level):
-            raise ValueError("'level' must be a number or +/-inf, not NaN; pass math.inf to be "
-                             "woken by non-finite losses only.")  # fmt: skip
+            raise ValueError(
+                "'level' must be a number or +/-inf, not NaN; pass math.inf to be "
+                "woken by non-finite losses only."
+            )
         self._alarms[id(owner)] = level
         self.alarm = min(self._alarms.values())
 
@@ -291,8 +293,9 @@ class LossTap:
         if not self._subscribers:
             return None
         now = time.time()
-        chunk = Chunk(range(first, self.next_step), self.epoch, device, host, ready,
-                      (self._span_start, now))  # fmt: skip
+        chunk = Chunk(
+            range(first, self.next_step), self.epoch, device, host, ready, (self._span_start, now)
+        )
         self._span_start = now
         for _, fn in self._subscribers:
             fn(chunk)

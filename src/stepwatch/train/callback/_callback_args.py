@@ -33,12 +33,23 @@ _HOSTS = {
 # Keras): on a stepwatch callback handed to them, the error says where it belongs.
 _HOST_HOOKS = frozenset(
     {
-        "setup", "teardown", "on_exception", "on_fit_start", "on_init_end", "set_model",
+        "setup",
+        "teardown",
+        "on_exception",
+        "on_fit_start",
+        "on_init_end",
+        "set_model",
         "set_params",
-        "on_batch_begin", "on_batch_end", "on_epoch_begin", "on_epoch_end",
-        "on_train_batch_start", "on_train_batch_end", "on_step_begin", "on_step_end",
+        "on_batch_begin",
+        "on_batch_end",
+        "on_epoch_begin",
+        "on_epoch_end",
+        "on_train_batch_start",
+        "on_train_batch_end",
+        "on_step_begin",
+        "on_step_end",
     }
-)  # fmt: skip
+)
 
 # Other trainers' hook names, and the stepwatch hook each one means.
 _THEIR_NAMES = {

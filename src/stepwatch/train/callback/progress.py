@@ -49,8 +49,9 @@ def _fit(postfix: str, meter: dict[str, Any]) -> str:
     ncols = meter.get("ncols")
     if not ncols or not postfix:
         return postfix
-    fixed = tqdm.format_meter(**{**meter, "ncols": None, "postfix": None,
-                                  "bar_format": "{l_bar}{r_bar}"})  # fmt: skip
+    fixed = tqdm.format_meter(
+        **{**meter, "ncols": None, "postfix": None, "bar_format": "{l_bar}{r_bar}"}
+    )
     room = ncols - len(fixed) - _MIN_BAR - 2  # ", " before the postfix
     kept: list[str] = []
     for item in postfix.split(", "):
