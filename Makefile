@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 VENDOR := src/stepwatch/dashboard/static/vendor
 UPLOT := $(VENDOR)/uPlot.iife.min.js
 
-.PHONY: install browser postgres demo test lint format bench clean
+.PHONY: install browser postgres demo test lint format docs bench clean
 
 install: $(STAMP) $(UPLOT) browser postgres
 
@@ -40,15 +40,19 @@ demo: install
 	$(VENV)/bin/stepwatch demo
 
 lint: install
-	$(VENV)/bin/ruff check src tests bench examples build_support
-	$(VENV)/bin/ruff format --check src tests bench examples build_support
+	$(VENV)/bin/ruff check src tests bench examples build_support docs/_hooks.py
+	$(VENV)/bin/ruff format --check src tests bench examples build_support docs/_hooks.py
 	$(VENV)/bin/mypy
 
 format: install
-	$(VENV)/bin/ruff format src tests bench examples build_support
-	$(VENV)/bin/ruff check --fix src tests bench examples build_support
+	$(VENV)/bin/ruff format src tests bench examples build_support docs/_hooks.py
+	$(VENV)/bin/ruff check --fix src tests bench examples build_support docs/_hooks.py
 
-test: lint
+# The documentation site, into site/: a broken link, page or API reference fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: lint docs
 	$(PY) -m pytest -q
 
 $(VENV)/.bench-installed: $(STAMP)
@@ -72,4 +76,4 @@ bench: $(VENV)/.bench-installed
 	$(PY) bench/diagnose.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache $(VENDOR) artifacts
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .ruff_cache $(VENDOR) artifacts

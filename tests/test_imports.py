@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,14 +86,18 @@ def _public(names: list[str]) -> set[str]:
     return {n for n in names if not n.startswith("_")}
 
 
-def test_version_matches_pyproject() -> None:
+def test_the_version_has_one_source() -> None:
+    # pyproject.toml takes it from _version.py, which the package and the CLI read.
     tomllib = pytest.importorskip("tomllib")
     with open(ROOT / "pyproject.toml", "rb") as f:
-        version = tomllib.load(f)["project"]["version"]
-    assert stepwatch.__version__ == version
+        config = tomllib.load(f)
+    assert "version" not in config["project"] and "version" in config["project"]["dynamic"]
+    source = config["tool"]["setuptools"]["dynamic"]["version"]
+    assert source == {"attr": "stepwatch._version.__version__"}
     from stepwatch._version import __version__
 
-    assert __version__ == version
+    assert stepwatch.__version__ == __version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+", __version__)
 
 
 def test_package_faces_keep_their_names() -> None:
