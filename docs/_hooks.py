@@ -26,7 +26,7 @@ README_LINKS = {
 
 def _help_sections() -> str:
     # argparse wraps to the terminal's width: fix it so the page is the same everywhere.
-    os.environ["COLUMNS"] = "96"
+    os.environ["COLUMNS"] = "80"
     from stepwatch.cli import _build_parser
 
     parser = _build_parser()
