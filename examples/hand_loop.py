@@ -1,4 +1,4 @@
-"""A hand-written PyTorch loop watched by stepwatch: the README's loop with a NaN injected.
+"""A hand-written PyTorch loop watched by stepwatch, a NaN injected (docs/training/own-loop.md).
 
 Run it: ``python examples/hand_loop.py [runs.db]``. The loss of step 25 is made NaN (as a
 corrupted batch would); ``AnomalyMonitor`` sees it on that step (a CPU loss is read as it

@@ -76,7 +76,7 @@ class Callback:
     old-name override runs in both training and evaluation.
 
     Each hook receives a :class:`RunContext`; ``run_context.original_args()`` is the cb_params
-    object whose fields are listed in the README.
+    object whose fields are listed in the documentation (docs/callbacks.md).
 
     A callback is a context manager: entered before the run, exited (in reverse order) after it,
     also when an exception escapes.
