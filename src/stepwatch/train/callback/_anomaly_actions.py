@@ -1,12 +1,13 @@
-"""What :class:`AnomalyMonitor` measures on the device and what its actions do: gradient
-statistics in one packed tensor, and the snapshot, reduce_lr and rollback actions."""
+"""How :class:`~.anomaly.AnomalyMonitor` acts on an alert: the actions asked for each kind
+(checked when the monitor is made), the alert path and the bounded window of alerts kept in
+memory (:class:`Actions`), and the stop, reduce_lr, snapshot and rollback actions
+(:class:`Rollback`: copies of the training state, and a rollback after which the same kind of
+alert returns goes to an older copy)."""
 
 from __future__ import annotations
 
 import functools
-import itertools
 import json
-import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -14,25 +15,31 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-
 from ..._validation import _got, check_arity, nearest_existing
 from ...monitor.detectors import DETECTORS, Alert
 from ...view.host import StateControl
-from ...view.run import view_of
+from ...view.run import RunView, view_of
 from ..resume import build_checkpoint
 from ..serialization import write_atomic
+from ._callback import RunContext
 
 __all__ = [
-    "ACTIONS", "ActivationStats", "GradStats", "StateKeeper", "check_actions",
-    "check_snapshot_dir", "classes_of", "reduce_lr", "write_snapshot",
-]  # fmt: skip
+    "ACTIONS",
+    "Actions",
+    "Rollback",
+    "StateKeeper",
+    "check_actions",
+    "check_snapshot_dir",
+    "reduce_lr",
+    "state_control",
+    "write_snapshot",
+]
 
 ACTIONS = ("warn", "stop", "snapshot", "reduce_lr", "rollback")
 ActionSpec = str | Callable[[Alert, Any], Any]
-
-logger = logging.getLogger("stepwatch")
+# Kinds whose "stop" marks the run as gone wrong (saving callbacks keep the weights out);
+# a plateau, a run that does not learn or overfitting stops a healthy model that is done.
+_DONE_KINDS = frozenset({"plateau", "overfitting", "threshold", "not_learning", "lr_negligible"})
 
 
 def _one_action(name: str, value: Any) -> tuple[ActionSpec, ...]:
@@ -94,136 +101,12 @@ def check_snapshot_dir(snapshot_dir: Any) -> Path | None:
     return path
 
 
-class GradStats:
-    """Per-layer gradient statistics, measured on the device in one op per layer and packed in
-    one tensor, so they reach the host in one transfer.
-
-    A *layer* is a trainable parameter with two or more dimensions (a weight matrix or a
-    convolution kernel); a network without any is measured parameter by parameter. For each
-    output unit (row) of each layer the device computes its gradient's norm; the host sums
-    them into the layer's norm and counts the rows whose gradient is exactly zero, which is a
-    dead ReLU unit's signature.
-    """
-
-    def __init__(self, network: torch.nn.Module) -> None:
-        named = [(n, p) for n, p in network.named_parameters() if p.requires_grad]
-        layers = [(n, p) for n, p in named if p.dim() >= 2] or named
-        self.names = [n for n, _ in layers]
-        self.params = [p for _, p in layers]
-        self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
-        self._matrix = [p.dim() == 2 and p.shape[0] > 0 for p in self.params]  # no reshape op
-        self._starts = [0, *itertools.accumulate(self.rows)][:-1]
-        self._size = sum(self.rows)
-        self._buffer: torch.Tensor | None = None  # the measurement, reused
-        self._views: list[torch.Tensor] = []
-        self._shape = (-2, 0)  # the buffer's device index and length
-
-    def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
-        """``[row norms of each layer..., extra...]`` on the device in one 1-D float32 tensor,
-        or None when some layer has no gradient yet. ``extra``: single values (0-d tensors on
-        the same device) to pack with them.
-
-        The tensor is the same buffer at each call (written in place, one op a layer and no
-        concatenation): read or copy it before the next measurement."""
-        params = self.params
-        grads = [p.grad for p in params if p.grad is not None]
-        if not grads or len(grads) < len(params):
-            return None
-        buffer, views = self._buffer, self._views
-        where, size = grads[0].get_device(), self._size + len(extra)  # (-1: the CPU)
-        if buffer is None or (where, size) != self._shape:
-            self._shape = (where, size)
-            buffer = torch.empty(size, dtype=torch.float32, device=grads[0].device)
-            self._buffer = buffer
-            views = self._views = [buffer[s : s + r] for s, r in zip(self._starts, self.rows)]
-        norm = torch.linalg.vector_norm
-        f32 = torch.float32
-        for g, r, matrix, out in zip(grads, self.rows, self._matrix, views):
-            g = g if matrix else g.reshape(r, -1)
-            if g.dtype is torch.float64:  # (norm's dtype= does not narrow)
-                out.copy_(norm(g, dim=1))
-            else:
-                norm(g, dim=1, dtype=f32, out=out)
-        if extra:
-            torch.stack(list(extra), out=buffer[self._size :])
-        return buffer
-
-    def split(self, host: torch.Tensor) -> tuple[float, list[float], list[float], list[float]]:
-        """``(global norm, norms, dead fractions, extra values)`` from a measurement on the
-        host."""
-        values = host.tolist()
-        norms, dead = [], []
-        for start, rows in zip(self._starts, self.rows):
-            layer = values[start : start + rows]
-            norms.append(math.hypot(*layer))
-            dead.append(layer.count(0.0) / rows)
-        end = self._starts[-1] + self.rows[-1]
-        return math.hypot(*norms), norms, dead, values[end:]
-
-
-class ActivationStats:
-    """The fraction of each tanh/sigmoid module's outputs at the rails (|tanh| > 0.99, a
-    sigmoid within 0.005 of 0 or 1), measured on the device in the forward pass after
-    :meth:`arm` and taken with the gradient statistics: forward hooks exist only between the
-    two, so a step that is not sampled runs no hook. A module used twice keeps its larger
-    fraction. Not for a compiled network (a hook there would recompile it)."""
-
-    def __init__(self, modules: Sequence[tuple[str, torch.nn.Module]]) -> None:
-        self.names = [n for n, _ in modules]
-        self.modules = [m for _, m in modules]
-        self._handles: list[Any] = []
-        self._seen: dict[int, torch.Tensor] = {}
-
-    @classmethod
-    def of(cls, network: torch.nn.Module) -> ActivationStats | None:
-        """The statistics of ``network``'s tanh/sigmoid modules; None when it has none."""
-        if hasattr(network, "_orig_mod"):
-            return None
-        found = [(n, m) for n, m in network.named_modules() if isinstance(m, (nn.Tanh, nn.Sigmoid))]
-        return cls(found) if found else None
-
-    def arm(self) -> None:
-        if not self._handles:
-            self._handles = [
-                m.register_forward_hook(functools.partial(self._hook, i))
-                for i, m in enumerate(self.modules)
-            ]
-
-    def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _hook(self, index: int, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if not isinstance(output, torch.Tensor) or not output.numel():
-            return
-        with torch.no_grad():
-            y = output.detach()
-            if isinstance(module, nn.Sigmoid):
-                y = y * 2.0 - 1.0
-            frac = (y.abs() > 0.99).float().mean()
-            prev = self._seen.get(index)
-            self._seen[index] = frac if prev is None else torch.maximum(prev, frac)
-
-    def take(self) -> list[torch.Tensor]:
-        """The fractions (one 0-d tensor per module) when every module was seen, else none;
-        the hooks are removed."""
-        self.disarm()
-        seen, self._seen = self._seen, {}
-        if len(seen) < len(self.modules):
-            return []
-        return [seen[i] for i in range(len(self.modules))]
-
-
-def classes_of(loss_fn: Any, outputs: Any) -> int | None:
-    """The number of classes of a CrossEntropyLoss/NLLLoss classifier (the outputs' width),
-    or None for another loss or unknown outputs."""
-    if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
-        return None
-    if not isinstance(outputs, torch.Tensor) or outputs.ndim < 2:
-        return None
-    classes = int(outputs.shape[1])
-    return classes if classes >= 2 else None
+def state_control(view: RunView) -> StateControl | None:
+    """What copies and restores the training state for a rollback, or None where the trainer
+    cannot be restored mid-run: the state control the trainer put in its run view
+    (stepwatch's ``TrainingState`` for a torch run, the host's own for Keras or MindSpore).
+    The one place the rollback chooses it."""
+    return view.state
 
 
 class StateKeeper:
@@ -236,17 +119,17 @@ class StateKeeper:
     and every one taken after it (they descend from it) are dropped: the next rollback goes
     to an older copy."""
 
-    def __init__(self, every: int, keep: int = 4) -> None:
+    def __init__(self, state: StateControl, every: int, keep: int = 4) -> None:
+        self.state = state
         self.every = every
         self.keep = max(2, keep)
-        self.states: list[tuple[int, dict[str, Any]]] = []
+        self.states: list[tuple[int, Any]] = []
         self._targets: dict[str, int] = {}  # kind -> the copy its last rollback went to
 
-    def maybe_keep(self, step: int, cb_params: Any) -> None:
+    def maybe_keep(self, step: int) -> None:
         if step % self.every:
             return
-        state = _state_control(cb_params).capture()
-        self.states = [*self.states[1 - self.keep :], (step, state)]
+        self.states = [*self.states[1 - self.keep :], (step, self.state.capture())]
 
     def tried(self, kind: str) -> int | None:
         """The step of the copy the last rollback for ``kind`` went to, if that copy is still
@@ -254,7 +137,7 @@ class StateKeeper:
         at = self._targets.get(kind)
         return at if at is not None and any(s == at for s, _ in self.states) else None
 
-    def restore_before(self, step: int, cb_params: Any, kind: str = "") -> int | None:
+    def restore_before(self, step: int, kind: str = "") -> int | None:
         """Restore the newest state taken before ``step`` (and, when ``kind`` came back after
         a rollback, before that rollback's copy); return its step (None if none). States
         taken at or after ``step`` are dropped: they may hold the anomaly."""
@@ -266,36 +149,195 @@ class StateKeeper:
         if not self.states:
             return None
         at, state = self.states[-1]
-        _state_control(cb_params).restore(state)
+        self.state.restore(state)
         self._targets[kind] = at
         return at
 
 
-def _state_control(cb_params: Any) -> StateControl:
-    """The trainer's state control (the run view's): rollback copies and restores through it."""
-    state = view_of(cb_params).state
-    if state is None:  # the keeper is made only where the trainer restores
-        raise RuntimeError("this run's trainer cannot restore its state in place")
-    return state
+class Rollback:
+    """The ``'rollback'`` action: the copies it goes back to (a :class:`StateKeeper` while the
+    run's trainer can restore its state, made only when some kind's action is a rollback),
+    its limit, and its count, which is the run's record of rollbacks
+    (:attr:`~stepwatch.view.run.RunView.rollbacks`: ``(restored_step, at_step)`` each).
+
+    Args:
+        limit: rollbacks allowed in one run.
+        every: steps between the copies.
+        wanted: copies are kept (some kind's action is a rollback).
+    """
+
+    def __init__(self, limit: int, every: int, wanted: bool) -> None:
+        self.limit = limit
+        self.every = every
+        self.wanted = wanted
+        self.reset()
+
+    def reset(self) -> None:
+        self.keeper: StateKeeper | None = None
+        self.done: list[tuple[int, int]] = []  # the run view's list while a run is on
+
+    def begin(self, view: RunView) -> None:
+        self.done = view.rollbacks
+        state = state_control(view) if self.wanted else None
+        keep = min(self.limit, 3) + 1
+        self.keeper = StateKeeper(state, self.every, keep) if state is not None else None
+
+    @property
+    def count(self) -> int:
+        """Rollbacks done in this run (the last run, after it ended)."""
+        return len(self.done)
+
+    def keep(self, step: int) -> None:
+        """Copy the state when ``step`` is one of the copies' steps."""
+        if self.keeper is not None:
+            self.keeper.maybe_keep(step)
+
+    def roll(self, alert: Alert, now: int) -> tuple[int | None, int | None]:
+        """Restore the newest copy from before ``alert``'s step (an older one when the same
+        kind came back after a rollback) at step ``now``: ``(its step or None when there is
+        none, the copy the last rollback for this kind went to when it came back)``."""
+        assert self.keeper is not None
+        tried = self.keeper.tried(alert.kind)  # the same kind came back after a rollback
+        at = self.keeper.restore_before(alert.step, alert.kind)
+        if at is not None:
+            self.done.append((at, now))
+        return at, tried
 
 
-def host_restores(view: Any) -> bool:
-    """Whether the trainer lets a rollback restore its weights and optimizer in place."""
-    return view.state is not None
+def _trim(items: list[Any], keep: int) -> None:
+    if len(items) > keep:
+        del items[: len(items) - keep]
 
 
-def note_no_gradients(view: Any, detectors: Sequence[Any]) -> None:
-    """Say once, on rank 0, that a host without gradients (nor the network) turns the
-    gradient and activation detectors off."""
-    if view.rank == 0:
-        kinds = "/".join(d.kind for d in detectors if d is not None and d.kind != "saturation")
-        also = any(d is not None and d.kind == "saturation" for d in detectors)
-        logger.info(
-            "AnomalyMonitor: %s gives no gradients, so the %s detectors are off%s",
-            view.host,
-            kinds,
-            " (and saturation, which rides on their sampled steps)" if also else "",
+class Actions:
+    """What AnomalyMonitor does with an alert: emits it on the run's alert path (logged,
+    stored, acted on), keeps the newest ``max_alerts`` alerts and outcomes, and runs the
+    actions asked for its kind.
+
+    Args:
+        action: the monitor's ``action`` argument; ``kinds``: the detector kinds it may name.
+        lr_factor / snapshot_dir / max_alerts / max_rollbacks / rollback_every: as the
+            monitor's arguments.
+        source: the name the alerts are emitted under.
+    """
+
+    def __init__(
+        self,
+        action: Any,
+        kinds: Sequence[str],
+        *,
+        lr_factor: float,
+        snapshot_dir: Path,
+        max_alerts: int,
+        max_rollbacks: int,
+        rollback_every: int,
+        source: str,
+    ) -> None:
+        self.default, self.by_kind = check_actions(action, kinds)
+        self.lr_factor = lr_factor
+        self.snapshot_dir = snapshot_dir
+        self.max_alerts = max_alerts
+        self.source = source
+        every_action = [self.default, *self.by_kind.values()]
+        named = {a for actions in every_action for a in actions if isinstance(a, str)}
+        self.changes_optimizer = sorted(named & {"reduce_lr", "rollback"})
+        self.rollback = Rollback(max_rollbacks, rollback_every, "rollback" in named)
+        self.reset()
+
+    def reset(self) -> None:
+        self.alerts: list[Alert] = []
+        self.outcomes: list[str] = []  # what the actions did, one entry per alert
+        self.rollback.reset()
+        self._view: RunView | None = None
+        self._window: Callable[[], dict[str, list[Any]]] = dict
+        self._rolled_back: Callable[[int], None] = _nothing
+
+    def begin(
+        self,
+        view: RunView,
+        window: Callable[[], dict[str, list[Any]]],
+        rolled_back: Callable[[int], None],
+    ) -> None:
+        """A run starts. ``window()``: the recent values a snapshot keeps; ``rolled_back(step)``:
+        told after a rollback at ``step`` (what waits to be read came from undone steps)."""
+        self._view = view
+        self._window, self._rolled_back = window, rolled_back
+        self.rollback.begin(view)
+
+    def end(self) -> None:
+        """The run is over: no view or callbacks of it kept."""
+        self._view = None
+        self._window, self._rolled_back = dict, _nothing
+
+    def raise_(self, alert: Alert, run_context: RunContext, act: bool = True) -> None:
+        """Emit ``alert`` (with its kind's actions when ``act``) and keep it."""
+        assert self._view is not None
+        actions = self.by_kind.get(alert.kind, self.default)
+        raised = self._view.alerts.emit(
+            alert,
+            [functools.partial(self._act, action, run_context=run_context) for action in actions],
+            source=self.source,
+            act=act,
         )
+        # the newest max_alerts in memory (the store keeps them all)
+        self.alerts.append(alert)
+        self.outcomes.append(raised.outcome)
+        _trim(self.alerts, self.max_alerts)
+        _trim(self.outcomes, self.max_alerts)
+
+    def _act(self, action: ActionSpec, alert: Alert, *, run_context: RunContext) -> str:
+        p = run_context.original_args()
+        if callable(action):
+            action(alert, run_context)
+            return f"called {getattr(action, '__name__', type(action).__name__)}"
+        if action == "warn":
+            return ""
+        if action == "stop":
+            return _stop(alert, run_context)
+        if action == "reduce_lr":
+            return reduce_lr_outcome(p, self.lr_factor)
+        if action == "snapshot":
+            if self._view is not None and self._view.rank != 0:
+                return "snapshot written by rank 0"
+            return snapshot_outcome(self.snapshot_dir, alert, p, self._window())
+        return self._roll_back(alert, run_context)
+
+    def _roll_back(self, alert: Alert, run_context: RunContext) -> str:
+        rollback = self.rollback
+        if rollback.count >= rollback.limit:
+            return f"rollback limit ({rollback.limit}) reached, {_stop(alert, run_context)}"
+        if rollback.keeper is None:
+            host = self._view.host if self._view is not None else "this trainer"
+            stopping = _stop(alert, run_context)
+            return f"{host} cannot restore weights and optimizer mid-run, {stopping}"
+        now = run_context.original_args().cur_step_num
+        at, tried = rollback.roll(alert, now)
+        if at is None:
+            stopping = _stop(alert, run_context)
+            what = f"copy older than step {tried}" if tried is not None else "state from before"
+            if tried is None:
+                what += f" step {alert.step}"
+            return f"no {what} to roll back to, {stopping}"
+        self._rolled_back(now)
+        again = f"; the {alert.kind} came back after the rollback to {tried}" if tried else ""
+        skipped = (
+            f"the batches of steps {at + 1}-{now} are skipped"
+            if now > at + 1
+            else f"the batch of step {now} is skipped"
+        )
+        return f"rolled back to step {at} ({rollback.count} of {rollback.limit}{again}); {skipped}"
+
+
+def _stop(alert: Alert, run_context: RunContext) -> str:
+    if alert.kind in _DONE_KINDS:
+        run_context.request_stop(f"{alert.kind} at step {alert.step}")
+    else:
+        run_context.request_stop(f"{alert.kind} at step {alert.step}", kind="anomaly")
+    return "stopping training"
+
+
+def _nothing(step: int) -> None:
+    return None
 
 
 def reduce_lr(cb_params: Any, factor: float) -> list[float]:

@@ -4,7 +4,7 @@ exploding or vanishing gradients, dying ReLUs, overfitting) and act on what it f
 
 from __future__ import annotations
 
-import logging
+import bisect
 import math
 import warnings
 from collections import deque
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from ..._validation import check_int, check_number
 from ...distributed import sum_across
@@ -22,9 +23,6 @@ from ...monitor.detectors import (
     DETECTORS,
     Alert,
     Detector,
-    DyingReLU,
-    GradExplosion,
-    GradVanishing,
     LrNegligible,
     NonFinite,
     Overfitting,
@@ -36,22 +34,13 @@ from ...monitor.detectors import (
 from ...view.run import RunView, view_of
 from ...view.tap import Chunk
 from ..serialization import remove_stale_temporaries
-from ._anomaly_acting import Acting
-from ._anomaly_actions import (
-    ActivationStats,
-    GradStats,
-    StateKeeper,
-    check_actions,
-    check_snapshot_dir,
-    host_restores,
-    note_no_gradients,
-)
-from ._anomaly_clock import READ_EVERY, Clock, says_alarm
+from ._anomaly_actions import Actions, check_snapshot_dir
+from ._anomaly_clock import READ_EVERY, Clock, Looks, says_alarm
+from ._anomaly_grads import GradientWatch
 from ._callback import ORDER_STEER, Callback, RunContext
 
 __all__ = ["AnomalyMonitor"]
 
-logger = logging.getLogger("stepwatch")
 _D = TypeVar("_D", bound=Detector)
 
 _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
@@ -60,12 +49,19 @@ _STEP_NAMES = frozenset({names.LOSS, names.STEP_LOSS})
 SLOW_EVERY = 128
 _SLOW_KINDS = frozenset({"plateau", "not_learning", "lr_negligible", "recurring_batch"})
 _LOSS_KINDS = frozenset(
-    {"nonfinite", "spike", "divergence", "plateau", "not_learning", "lr_negligible",
-     "recurring_batch"}
-)  # fmt: skip
+    {
+        "nonfinite",
+        "spike",
+        "divergence",
+        "plateau",
+        "not_learning",
+        "lr_negligible",
+        "recurring_batch",
+    }
+)
 
 
-class AnomalyMonitor(Acting, Clock, Callback):
+class AnomalyMonitor(Callback):
     """Watch the loss and the gradients for signs of trouble, tell the user what was seen and
     what to try, and act on it.
 
@@ -168,7 +164,6 @@ class AnomalyMonitor(Acting, Clock, Callback):
     ) -> None:
         self.detectors: list[Detector] = make_detectors(detectors)
         own = [d.kind for d in self.detectors if d.kind not in DETECTORS]
-        self._default_actions, self._kind_actions = check_actions(action, [*DETECTORS, *own])
         self.every_n_steps = check_int("every_n_steps", every_n_steps, minimum=1)
         self.snapshot_dir = check_snapshot_dir(snapshot_dir) or Path("anomaly_snapshots")
         self.grad_every_n_steps = check_int("grad_every_n_steps", grad_every_n_steps, minimum=1)
@@ -179,13 +174,6 @@ class AnomalyMonitor(Acting, Clock, Callback):
             raise ValueError(f"'lr_factor' must be a number with 0 < x < 1, but got {lr_factor!r}.")
         self.window = check_int("window", window, minimum=1)
         self.max_alerts = check_int("max_alerts", max_alerts, minimum=1)
-        self._warned_eval = False
-        self._thresholds_seen: set[str] = set()
-        self._last_values: set[str] = set()
-        self._warned_names: set[str] = set()
-        self.alerts: list[Alert] = []
-        self.outcomes: list[str] = []  # what the actions did, one entry per alert
-        self.rollbacks = 0
         kinds = {d.kind for d in self.detectors}
         # The loss detectors, a user's own detectors among them: fed every step loss.
         self._step_detectors = [
@@ -205,36 +193,41 @@ class AnomalyMonitor(Acting, Clock, Callback):
         self._epoch_thresholds = [
             d for d in self.detectors if isinstance(d, Threshold) and d.name not in _STEP_NAMES
         ]
-        self._explosion = _first(self.detectors, GradExplosion)
-        self._vanishing = _first(self.detectors, GradVanishing)
-        self._dying = _first(self.detectors, DyingReLU)
         self._overfitting = _first(self.detectors, Overfitting)
         self._plateau = _first(self.detectors, Plateau)
         self._lr_low = _first(self.detectors, LrNegligible)
         self._saturation = _first(self.detectors, Saturation)
         self._chance = _first(self.detectors, WorseThanChance)
-        # the detectors that judge a loss against ln(classes), with no classes given
-        self._classes_for = [d for d in self.detectors if getattr(d, "classes", 0) is None]
-        layers = (self._explosion, self._vanishing, self._dying, self._saturation)
-        self._measures_grads = any(layers)
-        self._grad_nonfinite = NonFinite("gradient norm") if "nonfinite" in kinds else None
         self._nonfinite = _first(self.detectors, NonFinite)  # the loss's
-        every_action = [self._default_actions, *self._kind_actions.values()]
-        self._keeps_state = any("rollback" in actions for actions in every_action)
-        self._optimizer_actions = sorted(
-            {a for actions in every_action for a in actions if a in ("reduce_lr", "rollback")}
+        # the detectors that judge a loss against ln(classes), with no classes given
+        self._classes_for: list[Any] = [
+            d for d in self.detectors if getattr(d, "classes", 0) is None
+        ]
+        # The collaborators: when it looks, what it measures of the gradients, what it does.
+        self._clock = Clock(self.grad_every_n_steps)
+        self._grads = GradientWatch(self.detectors, self.window, "nonfinite" in kinds)
+        self._actions = Actions(
+            action,
+            [*DETECTORS, *own],
+            lr_factor=self.lr_factor,
+            snapshot_dir=self.snapshot_dir,
+            max_alerts=self.max_alerts,
+            max_rollbacks=self.max_rollbacks,
+            rollback_every=self.rollback_every,
+            source=type(self).__name__,
         )
+        self._warned_eval = False
         self._reset()
 
     @property
     def measures_gradients(self) -> bool:
         """True when a gradient detector is on (the run must give the network)."""
-        return self._measures_grads
+        return self._grads.wanted
 
     @property
     def needs_optimizer(self) -> str:
         """Why a run must give the optimizer ('' when it need not): its actions that change it."""
-        acts = self._optimizer_actions
+        acts = self._actions.changes_optimizer
         return f"its {' and '.join(map(repr, acts))} action{'s' * (len(acts) > 1)}" if acts else ""
 
     @property
@@ -242,65 +235,63 @@ class AnomalyMonitor(Acting, Clock, Callback):
         """True when a non-finite loss is this monitor's to act on (LossMonitor leaves it)."""
         return any(d.kind == "nonfinite" for d in self.detectors)
 
+    @property
+    def alerts(self) -> list[Alert]:
+        """The newest ``max_alerts`` alerts of the run, oldest first."""
+        return self._actions.alerts
+
+    @property
+    def outcomes(self) -> list[str]:
+        """What the actions did, one entry per alert in :attr:`alerts`."""
+        return self._actions.outcomes
+
+    @property
+    def rollbacks(self) -> int:
+        """Rollbacks done in the run (the run's record: ``run.rollbacks``)."""
+        return self._actions.rollback.count
+
+    @property
+    def _history(self) -> dict[str, deque[Any]]:
+        """The recent gradient measurements (``grad_step``, ``grad_norm``)."""
+        return self._grads.history
+
     def _reset(self) -> None:
         for detector in self.detectors:
             detector.reset()
-        if self._grad_nonfinite is not None:
-            self._grad_nonfinite.reset()
-        self.alerts = []
-        self.outcomes = []
-        self.rollbacks = 0
+        self._clock.reset()
+        self._grads.reset()
+        self._actions.reset()
         self._view: RunView | None = None
         self._run_context: RunContext | None = None
-        self._looking = False  # a look at the waiting values is asked for
-        self._alarming = False  # reading READ_EVERY_HOST at a time, with the tap's alarm
-        self._host_losses = False  # the tap's chunks hold floats (losses read on the host)
-        # only when every detector fed each batch says what it must see at once (alarm())
-        self._may_alarm = all(map(says_alarm, self._fast))
+        self._thresholds_seen: set[str] = set()
+        self._last_values: set[str] = set()
+        self._warned_names: set[str] = set()
         self._lr_handle: Any = None
         self._lr_changes: list[tuple[int, float]] = []  # (first step, rate), for plateau
-        self._grad_due = 0  # the step of the next gradient measurement
         # What waits to be read, in order: ("loss", chunk) and ("grad", step, epoch, host,
-        # ready); in a distributed run, the chunks of the block not yet reduced across ranks.
+        # ready); in a distributed run, the chunks of the block not yet reduced across ranks
+        # and this rank's share of a gradient measurement not yet summed over them.
         self._inflight: deque[tuple[Any, ...]] = deque()
         self._block: list[Chunk] = []
+        self._shares: tuple[int, int, torch.Tensor] | None = None
         # [steps, losses, epoch] not yet shown to the trend detectors, and how many steps
         self._slow_wait: list[list[Any]] = []
         self._slow_count = 0
         self._slow_now = False  # a value over the alarm came: the trend detectors see it now
-        self._level = math.inf  # the alarm level set on the tap
         self._undone = 0  # steps up to here were rolled back: their values are not read
-        self._stats: GradStats | None = None
-        self._acts: ActivationStats | None = None
         self._want_classes = False
-        keep = min(self.max_rollbacks, 3) + 1
-        self._keeper = StateKeeper(self.rollback_every, keep) if self._keeps_state else None
-        self._scaled = False
-        self._rank, self._world = 0, 1
+        self._world = 1
         # the last chunks' (steps, losses), at least `window` values (a snapshot's window)
         self._loss_window: deque[tuple[Sequence[int], Sequence[float]]] = deque(maxlen=self.window)
-        self._history: dict[str, deque[Any]] = {
-            key: deque(maxlen=self.window) for key in ("grad_step", "grad_norm")
-        }
 
     # -- hooks ------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
         self._reset()
         p = run_context.original_args()
         view = self._view = view_of(p)
-        self._rank, self._world = view.rank, view.world
-        network = p.get("train_network")
-        if self._measures_grads and network is not None and view.grads:
-            self._stats = GradStats(network)
-            for detector in (self._vanishing, self._dying):
-                if detector is not None:
-                    detector.names = self._stats.names
-            if self._saturation is not None:
-                self._acts = ActivationStats.of(network)
-                self._saturation.names = self._acts.names if self._acts else None
-        elif self._measures_grads:
-            layers = [self._explosion, self._vanishing, self._dying, self._saturation]
-            note_no_gradients(view, layers)
+        self._world = view.world
+        # under loss scaling an overflowing gradient is expected: the scaler skips that step
+        self._grads.begin(p.get("train_network"), view, scaled=p.get("loss_scaler") is not None)
         total = view.epochs * view.steps_per_epoch
         for each in self.detectors:
             if hasattr(each, "total_steps"):
@@ -308,24 +299,27 @@ class AnomalyMonitor(Acting, Clock, Callback):
             if hasattr(each, "steps_per_epoch"):
                 each.steps_per_epoch = view.steps_per_epoch or None
         self._want_classes = bool(self._classes_for)
-        if not host_restores(view):
-            self._keeper = None  # the host cannot be rolled back: 'rollback' stops instead
+        self._actions.begin(view, self._snapshot_window, self._rolled_back)
         if (self._plateau or self._lr_low) is not None:
             self._lr_handle = view.rates
-        # Under loss scaling an overflowing gradient is expected: the scaler skips that step.
-        self._scaled = p.get("loss_scaler") is not None
         if view.rank == 0 and self.snapshot_dir.is_dir():
             remove_stale_temporaries(self.snapshot_dir, "anomaly-")  # a killed snapshot write
         self._run_context = run_context
-        view.tap.subscribe(READ_EVERY, self._take)
-        if self._world == 1:
-            view.tap.set_alarm(self, math.inf)  # a non-finite host loss, on its step from step 1
-        self._start_clock()
-        self._thresholds_seen = set()
-        self._last_values = set()
+        keeper = self._actions.rollback.keeper
+        self._clock.start(
+            view,
+            Looks(
+                self._take, self._look, self._measure, self._grads.arm, self._keep, self._classes
+            ),
+            grads=self._grads.measuring,
+            arms=self._grads.acts is not None,
+            keep_every=keeper.every if keeper is not None else 0,
+            classes=self._want_classes,
+            may_alarm=all(map(says_alarm, self._fast)),
+        )
         evals = [d.name for d in self._epoch_thresholds if d.name.startswith("eval_")]
         self._warned_names = set(evals) if not view.validates else set()
-        if evals and not view.validates and self._rank == 0:
+        if evals and not view.validates and view.rank == 0:
             warnings.warn(
                 f"AnomalyMonitor: a threshold on {', '.join(map(repr, evals))} in a run that "
                 "does not validate never fires; use fit(..., valid_dataset) or watch a "
@@ -343,16 +337,6 @@ class AnomalyMonitor(Acting, Clock, Callback):
                 UserWarning,
                 stacklevel=2,
             )
-
-    def _take(self, chunk: Chunk) -> None:
-        """A chunk of step losses from the tap: queue it, and look at it at its last step."""
-        self._note_lr(chunk.steps[-1])
-        if self._world > 1:
-            self._block.append(chunk)  # reduced across ranks at the block's end
-        else:
-            self._inflight.append(("loss", chunk))
-            self._host_losses = type(chunk.host) is list
-        self._look_at(chunk.steps[-1])
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
@@ -375,14 +359,15 @@ class AnomalyMonitor(Acting, Clock, Callback):
                 found.append(detector.update(step, values[detector.name], epoch=epoch))
         for alert in found:
             if alert is not None:
-                self._raise(alert, run_context)
+                self._actions.raise_(alert, run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
         self._read_all(run_context)
         never = sorted(
             {d.name for d in self._epoch_thresholds} - self._thresholds_seen - self._warned_names
         )
-        if never and run_context.cb_params.cur_epoch_num > 0 and self._rank == 0:
+        first = self._view is not None and self._view.rank == 0
+        if never and run_context.cb_params.cur_epoch_num > 0 and first:
             warnings.warn(
                 f"AnomalyMonitor: the threshold on {', '.join(map(repr, never))} never saw its "
                 f"value (this run's epoch values: {', '.join(sorted(self._last_values)) or 'none'}"
@@ -390,42 +375,135 @@ class AnomalyMonitor(Acting, Clock, Callback):
                 UserWarning,
                 stacklevel=2,
             )
-        if self._view is not None:
-            self._view.tap.unsubscribe(self)  # its chunks and its calls
-        if self._acts is not None:
-            self._acts.disarm()  # no hook left on the network
+        self._clock.stop()  # its chunks and its calls
+        self._grads.disarm()  # no hook left on the network
 
     def __exit__(self, *err: Any) -> None:
-        if self._view is not None:
-            self._view.tap.unsubscribe(self)
-            self._view = None
+        self._clock.stop()
+        self._view = None
         self._run_context = None
-        if self._acts is not None:
-            self._acts.disarm()
+        self._actions.end()
+        self._grads.disarm()
         self._inflight.clear()  # no device tensors kept alive after the run
         self._block = []
+        self._shares = None
+
+    # -- what the clock asks for ------------------------------------------------------------
+    def _take(self, chunk: Chunk) -> None:
+        """A chunk of step losses from the tap: queue it, and look at it at its last step."""
+        self._note_lr(chunk.steps[-1])
+        if self._world > 1:
+            self._block.append(chunk)  # reduced across ranks at the block's end
+        else:
+            self._inflight.append(("loss", chunk))
+        self._clock.look_at(chunk.steps[-1])
+
+    def _look(self, step: int) -> None:
+        """Read what waits at ``step``."""
+        if self._world > 1:
+            self._reduce(self._block_due())  # every rank reduces the same values at this step
+        if self._inflight and self._run_context is not None:
+            self._drain(self._run_context, block=False)
+            if self._inflight:  # a copy still on its way (CUDA): look again at the next step
+                self._clock.look_at(step + 1)
+
+    def _measure(self, step: int) -> None:
+        """Measure the gradients at ``step``, and judge them (in one process on the CPU) or
+        queue them to be judged at this step's look."""
+        if self._run_context is None or not self._grads.measuring:
+            return
+        p = self._run_context.cb_params
+        measured = None
+        if p.get("optimizer_stepped", True):
+            measured = self._grads.measure()
+        if measured is None:  # mid accumulation window, or no gradient yet: the next step
+            self._clock.grads_at(step + 1)
+            return
+        self._note_lr(step)
+        if self._world > 1:
+            # this rank's share, summed over the ranks at this step's look (one all_reduce)
+            self._clock.grads_at(self._next_grads(step))
+            self._shares = (step, p.cur_epoch_num, measured)
+            self._clock.look_at(step)
+            return
+        if not measured.is_cpu:
+            self._clock.grads_at(self._next_grads(step))  # sooner once judged, if it shows a sign
+            self._ship_grads(step, p.cur_epoch_num, measured)
+            self._clock.look_at(step)
+            return
+        # On the host in one process: judged now, after the losses queued before it (the
+        # chunk cut at this step), without a look of its own.
+        if self._inflight:
+            self._drain(self._run_context, block=False)
+        alerts = self._detect_grads(step, p.cur_epoch_num, measured, None)
+        self._clock.grads_at(self._next_grads(step))
+        if alerts:
+            self._raise_all(alerts, self._run_context)
+            self._set_alarm()
+
+    def _next_grads(self, step: int) -> int:
+        return self._clock.next_grads(step, self._grads.confirming, self._grads.warming_up)
+
+    def _keep(self, step: int) -> None:
+        self._actions.rollback.keep(step)
+
+    def _classes(self, step: int) -> bool:
+        """Once the first step's outputs are there: the number of classes of a
+        CrossEntropyLoss/NLLLoss classifier, for the detectors that judge against chance
+        (False: ask again at the next step)."""
+        if not self._want_classes or self._run_context is None:
+            return True
+        p = self._run_context.cb_params
+        outputs = p.get("outputs")
+        if outputs is None and p.cur_step_num < 2:
+            return False  # a loop may give outputs from its first step on; else none are given
+        self._want_classes = False
+        classes = classes_of(p.get("loss_fn"), outputs)
+        for detector in self._classes_for:
+            detector.classes = classes
+        return True
 
     # -- reading values ---------------------------------------------------------------------
     def _read_all(self, run_context: RunContext) -> None:
         """Read everything the tap holds (an epoch's end, the run's end), waiting for it."""
         assert self._view is not None
         self._view.tap.cut()
-        self._reduce_block()
+        if self._world > 1:
+            self._reduce(True)
         self._drain(run_context, block=True)
 
     def _block_due(self) -> bool:
         return bool(self._block) and self._block[-1].steps[-1] % READ_EVERY == 0
 
-    def _reduce_block(self) -> None:
-        """Distributed: the block's losses averaged over the ranks, in one all_reduce (every
-        rank cuts the same chunks, so every rank reduces the same block at the same step)."""
-        block, self._block = self._block, []
-        if not block:
+    def _reduce(self, losses: bool) -> None:
+        """Distributed: sum what waits over the ranks in ONE all_reduce: the block's losses
+        (when ``losses``; averaged over the ranks) and this rank's share of a gradient
+        measurement (made whole: the full model's norms). Every rank cuts the same chunks
+        and measures at the same steps, so every rank reduces the same values at the same
+        step, and every detector sees the same numbers on every rank: every decision is the
+        same on every rank. A NaN or inf on one rank is one in the sum."""
+        block = self._block if losses else []
+        shares, self._shares = self._shares, None
+        if not block and shares is None:
             return
-        losses = torch.cat([c.device for c in block]) if len(block) > 1 else block[0].device
-        mean = sum_across([losses])[0].float().to(losses.device) / self._world
-        steps = range(block[0].steps.start, block[-1].steps.stop)
-        self._inflight.append(("loss", Chunk(steps, block[-1].epoch, mean, None, None, (0, 0))))
+        if losses:
+            self._block = []
+        values: list[torch.Tensor] = []
+        if block:
+            values.append(
+                torch.cat([c.device for c in block]) if len(block) > 1 else block[0].device
+            )
+        if shares is not None:
+            values.append(shares[2])
+        summed = sum_across(values)
+        if shares is not None:
+            step, epoch, _ = shares
+            assert self._grads.stats is not None
+            self._inflight.append(("grad", step, epoch, self._grads.stats.finish(summed[-1]), None))
+        if block:
+            mean = summed[0].float().to(values[0].device) / self._world
+            steps = range(block[0].steps.start, block[-1].steps.stop)
+            self._inflight.append(("loss", Chunk(steps, block[-1].epoch, mean, None, None, (0, 0))))
 
     def _drain(self, run_context: RunContext, block: bool) -> None:
         inflight = self._inflight
@@ -453,7 +531,69 @@ class AnomalyMonitor(Acting, Clock, Callback):
         rollbacks = self.rollbacks
         for alert in sorted(alerts, key=lambda a: a.step):
             # after a rollback, what the same batch still holds came from the undone steps
-            self._raise(alert, run_context, act=self.rollbacks == rollbacks)
+            self._actions.raise_(alert, run_context, act=self.rollbacks == rollbacks)
+
+    def _rolled_back(self, step: int) -> None:
+        """A rollback at ``step``: what is still waiting to be read came from the undone
+        steps, and the restored state is judged afresh (the same kind may fire again)."""
+        self._undone = step
+        self._inflight.clear()
+        self._block = []
+        self._shares = None
+        self._slow_wait, self._slow_count = [], 0
+        for detector in self.detectors:
+            restart = getattr(detector, "restart_level", None)
+            if restart is not None:
+                restart()
+
+    def _snapshot_window(self) -> dict[str, list[Any]]:
+        """The recent values a snapshot keeps: the last ``window`` step losses and gradient
+        norms, with their steps."""
+        steps: list[int] = []
+        losses: list[float] = []
+        for chunk_steps, chunk_losses in self._loss_window:
+            steps.extend(chunk_steps)
+            losses.extend(chunk_losses)
+        window: dict[str, list[Any]] = {"step": steps[-self.window :]}
+        window["loss"] = losses[-self.window :]
+        return window | {k: list(v) for k, v in self._grads.history.items()}
+
+    # -- the losses -------------------------------------------------------------------------
+    def _note_lr(self, step: int) -> None:
+        """The rate as of ``step`` (read at each chunk and each gradient measurement), for the
+        detectors that judge the learning rate."""
+        rates = self._lr_handle
+        if rates is not None:
+            lr = rates.get()[0]
+            changes = self._lr_changes
+            if not changes or changes[-1][1] != lr:
+                changes.append((step, lr))
+
+    def _rates(self, steps: Sequence[int]) -> list[float] | None:
+        """The learning rate at each of ``steps`` (from the recorded change points)."""
+        changes = self._lr_changes
+        if not changes:
+            return None
+        if len(changes) == 1:
+            return [changes[0][1]] * len(steps)
+        starts = [s for s, _ in changes]
+        return [changes[max(0, bisect.bisect_right(starts, s) - 1)][1] for s in steps]
+
+    def _set_alarm(self) -> None:
+        self._clock.retune(self._alarm_level)
+
+    def _alarm_level(self) -> float | None:
+        """The smallest loss that could fire a detector fed each batch (or a trend detector
+        waiting for a value), or None while one of them cannot say."""
+        levels = [getattr(d, "alarm", _no_alarm)() for d in self._fast]
+        if None in levels:
+            return None
+        level = min(levels, default=math.inf)
+        for detector in self._slow_alarms:  # a trend detector waiting for a value
+            wants = detector.alarm()
+            if wants is not None and wants < level:
+                level = wants
+        return level
 
     def _feed_slow(self) -> list[Alert]:
         """The trend detectors' share: every step loss since they last looked, in one call
@@ -485,14 +625,14 @@ class AnomalyMonitor(Acting, Clock, Callback):
         alerts: list[Alert] = []
         if self._chance is not None and self._chance.start is None:
             self._chance.see_start(losses)
-        grads = self._grad_nonfinite
+        grads_said = self._grads.in_nonfinite_episode
         for detector in self._fast:
             found = detector.update_many(steps, losses, epoch)
-            if found and detector is self._nonfinite and grads is not None and grads.in_episode:
+            if found and detector is self._nonfinite and grads_said:
                 found = [a for a in found if a.kind != "nonfinite"]  # the gradients' said it
             alerts.extend(found)
         if self._slow:
-            if not losses[-1] <= self._level:
+            if not losses[-1] <= self._clock.level:
                 self._slow_now = True  # the tap's alarm cut this chunk
             waiting = self._slow_wait
             last = waiting[-1] if waiting else None
@@ -506,10 +646,49 @@ class AnomalyMonitor(Acting, Clock, Callback):
             else:
                 waiting.append([steps, [*losses], epoch])
             self._slow_count += len(steps)
-        if alerts:
-            self._grads_now()  # trouble in the loss: look at the gradients at once
+        if alerts and self._grads.measuring:
+            self._clock.grads_now()  # trouble in the loss: look at the gradients at once
+        return alerts
+
+    # -- the gradients ----------------------------------------------------------------------
+    def _ship_grads(self, step: int, epoch: int, measured: torch.Tensor) -> None:
+        """Queue one host transfer of a gradient measurement (non-blocking on CUDA)."""
+        ready = None
+        if measured.is_cuda:
+            measured = measured.to("cpu", non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        elif measured.is_cpu:
+            measured = measured.clone()  # GradStats writes the next one into the same buffer
+        self._inflight.append(("grad", step, epoch, measured, ready))
+
+    def _detect_grads(self, step: int, epoch: int, host: torch.Tensor, ready: Any) -> list[Alert]:
+        if ready is not None:
+            ready.synchronize()
+        if step <= self._undone or not self._grads.measuring:
+            return []
+        if not host.is_cpu:
+            host = host.cpu()
+        alerts = self._grads.judge(step, epoch, host, self._nonfinite)
+        # judged after the next measurement was set: sooner if it shows a sign to confirm
+        self._clock.sooner(step, self._grads.confirming, self._grads.warming_up)
         return alerts
 
 
 def _first(detectors: list[Detector], cls: type[_D]) -> _D | None:
     return next((d for d in detectors if isinstance(d, cls) and d.kind == cls.kind), None)
+
+
+def classes_of(loss_fn: Any, outputs: Any) -> int | None:
+    """The number of classes of a CrossEntropyLoss/NLLLoss classifier (the outputs' width),
+    or None for another loss or unknown outputs."""
+    if not isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        return None
+    if not isinstance(outputs, torch.Tensor) or outputs.ndim < 2:
+        return None
+    classes = int(outputs.shape[1])
+    return classes if classes >= 2 else None
+
+
+def _no_alarm() -> float:
+    return math.inf  # a detector of one's own without alarm(): only non-finite values
