@@ -52,7 +52,9 @@ class GradStats:
     convolution kernel); a network without any is measured parameter by parameter. For each
     output unit (row) of each layer the device computes its gradient's norm; the host sums
     them into the layer's norm and counts the rows whose gradient is exactly zero, which is a
-    dead ReLU unit's signature.
+    dead ReLU unit's signature. The other trainable parameters (biases, normalisation scales)
+    are measured whole, one norm each: they count in the global norm, which is the norm of
+    every gradient (what ``torch.nn.utils.clip_grad_norm_`` computes), not in a layer's.
 
     Args:
         network: the network whose parameters' gradients are measured.
@@ -70,34 +72,40 @@ class GradStats:
         self.rows = [max(1, p.shape[0]) if p.dim() else 1 for p in self.params]
         self._matrix = [p.dim() == 2 and p.shape[0] > 0 for p in self.params]  # no reshape op
         self._starts = [0, *itertools.accumulate(self.rows)][:-1]
-        self._size = sum(self.rows)
+        self._rows = sum(self.rows)
+        # the other parameters, one norm each after the rows
+        self.rest = [p for _, p in named if not any(p is q for q in self.params)]
+        self._size = self._rows + len(self.rest)
         self._buffer: torch.Tensor | None = None  # the measurement, reused
         self._views: list[torch.Tensor] = []
         self._shape = (-2, 0)  # the buffer's device index and length
-        # Distributed: where each rank's rows go and what its sums count for, per layer
-        # (made at the first measurement, from the gradients' placements).
+        self._rest_views: list[torch.Tensor] = []
+        # Distributed: where each rank's rows go and what its sums count for, per layer, and
+        # what the other parameters' sums count for (from the gradients' placements).
         self._parts: list[tuple[int, int, float]] | None = None
+        self._rest_shares: list[float] | None = None
 
     @property
     def size(self) -> int:
-        """The number of row norms in a measurement (before the extra values)."""
+        """The number of norms in a measurement (before the extra values)."""
         return self._size
 
     def measure(self, extra: Sequence[torch.Tensor] = ()) -> torch.Tensor | None:
-        """``[row norms of each layer..., extra...]`` on the device in one 1-D float32 tensor,
-        or None when some layer has no gradient yet. ``extra``: single values (0-d tensors on
-        the same device) to pack with them. In a distributed run: this rank's share of the
-        squared row norms and of the extra values, to be summed over the ranks and given to
-        :meth:`finish`.
+        """``[row norms of each layer..., norms of the other parameters..., extra...]`` on
+        the device in one 1-D float32 tensor, or None when some layer has no gradient yet.
+        ``extra``: single values (0-d tensors on the same device) to pack with them. In a
+        distributed run: this rank's share of the squared norms and of the extra values, to
+        be summed over the ranks and given to :meth:`finish`.
 
-        The tensor is the same buffer at each call (written in place, one op a layer and no
-        concatenation): read or copy it before the next measurement."""
+        The tensor is the same buffer at each call (written in place, one op a parameter and
+        no concatenation): read or copy it before the next measurement."""
         params = self.params
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or len(grads) < len(params):
             return None
+        rest = [p.grad for p in self.rest]  # (one without a gradient counts 0)
         if self.world > 1:
-            return self._measure_shares(grads, extra)
+            return self._measure_shares(grads, rest, extra)
         buffer, views = self._ready(grads[0], len(extra))
         norm = torch.linalg.vector_norm
         f32 = torch.float32
@@ -107,6 +115,13 @@ class GradStats:
                 out.copy_(norm(g, dim=1))
             else:
                 norm(g, dim=1, dtype=f32, out=out)
+        for other, out in zip(rest, self._rest_views):
+            if other is None:
+                out.zero_()
+            elif other.dtype is torch.float64:
+                out.copy_(norm(other))
+            else:
+                norm(other, dtype=f32, out=out)
         if extra:
             torch.stack(list(extra), out=buffer[self._size :])
         return buffer
@@ -118,28 +133,39 @@ class GradStats:
             self._shape = (where, size)
             self._buffer = torch.empty(size, dtype=torch.float32, device=grad.device)
             self._views = [self._buffer[s : s + r] for s, r in zip(self._starts, self.rows)]
+            self._rest_views = [self._buffer[i] for i in range(self._rows, self._size)]
         return self._buffer, self._views
 
     def _measure_shares(
-        self, grads: list[torch.Tensor], extra: Sequence[torch.Tensor]
+        self,
+        grads: list[torch.Tensor],
+        rest: list[torch.Tensor | None],
+        extra: Sequence[torch.Tensor],
     ) -> torch.Tensor:
         """This rank's share of a distributed measurement: each layer's local rows' sums of
-        squares at their rows in the full tensor (zero elsewhere), times the share of a
-        replicated gradient; the extra values divided by the number of ranks (their mean
-        after the sum)."""
+        squares at their rows in the full tensor (zero elsewhere), and each other parameter's
+        local sum of squares, times the share of a replicated gradient; the extra values
+        divided by the number of ranks (their mean after the sum)."""
         locals_ = [_local(g) for g in grads]
         if self._parts is None:
             self._parts = [_part(g, self.world) for g in grads]
+        if self._rest_shares is None:
+            self._rest_shares = [1.0 if g is None else _part(g, self.world)[2] for g in rest]
         buffer, views = self._ready(locals_[0], len(extra))
         buffer.zero_()
+        norm = torch.linalg.vector_norm
         for g, (offset, rows, share), out in zip(locals_, self._parts, views):
             if not rows or not g.numel():
                 continue
-            g = g.reshape(rows, -1).float()
-            squares = torch.linalg.vector_norm(g, dim=1).square_()
+            squares = norm(g.reshape(rows, -1).float(), dim=1).square_()
             if share != 1.0:
                 squares.mul_(share)
             out[offset : offset + rows].copy_(squares)
+        for other, share, out in zip(rest, self._rest_shares, self._rest_views):
+            if other is not None:
+                local = _local(other)
+                if local.numel():
+                    out.copy_(norm(local.float()).square() * share)
         if extra:
             shares = buffer[self._size :]
             torch.stack(list(extra), out=shares)
@@ -162,8 +188,8 @@ class GradStats:
             layer = values[start : start + rows]
             norms.append(math.hypot(*layer))
             dead.append(layer.count(0.0) / rows)
-        end = self._starts[-1] + self.rows[-1]
-        return math.hypot(*norms), norms, dead, values[end:]
+        others = values[self._rows : self._size]
+        return math.hypot(*norms, *others), norms, dead, values[self._size :]
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
