@@ -16,7 +16,6 @@ import pytest
 from stepwatch import RunWriter, Store
 from stepwatch._format import duration, number, table
 from stepwatch.cli import main
-from stepwatch.store.backends.sqlite_read import SQLiteStore
 
 from .conftest import run_cli
 from .test_reader import write_run
@@ -332,7 +331,7 @@ def test_any_failure_is_one_line_and_exit_2(
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("disk on fire\nsecond line")
 
-    monkeypatch.setattr(SQLiteStore, "summary", broken)  # what Store(path) opens
+    monkeypatch.setattr(Store, "summary", broken)
     code, _, err = cli(capsys, "show", "1", "--db", str(db))
     assert code == 2
     one_line_error(err, "stepwatch show: RuntimeError: disk on fire second line")
@@ -340,7 +339,7 @@ def test_any_failure_is_one_line_and_exit_2(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(SQLiteStore, "runs_summary", interrupted)
+    monkeypatch.setattr(Store, "runs_summary", interrupted)
     code, _, err = cli(capsys, "runs", "--db", str(db))
     assert code == 130 and err == "stepwatch runs: interrupted\n"
 

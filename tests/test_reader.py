@@ -140,9 +140,9 @@ def test_runs_summary_is_one_query_for_all_runs(db: Path) -> None:
         write_run(db, f"more-{i}", [1.0, 2.0], [1.5])
     with Store(db) as store:
         statements: list[str] = []
-        store._conn.set_trace_callback(statements.append)
+        store._sql.conn.set_trace_callback(statements.append)
         pairs = store.runs_summary()
-        store._conn.set_trace_callback(None)
+        store._sql.conn.set_trace_callback(None)
     assert len(pairs) == 8
     queries = [s for s in statements if s.strip().upper().startswith(("SELECT", "WITH"))]
     assert len(queries) == 1
@@ -229,7 +229,7 @@ def test_reading_leaves_no_wal_or_shm_files(db: Path) -> None:
         store.runs_summary()
         store.metrics("full", "step_loss", max_points=4)
         with pytest.raises(sqlite3.OperationalError, match="readonly"):
-            store._conn.execute("DELETE FROM runs")  # reading never writes
+            store._sql.conn.execute("DELETE FROM runs")  # reading never writes
     assert _sidecars(db) == []
     with Store(db) as store:
         assert len(store.runs()) == 3

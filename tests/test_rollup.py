@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from stepwatch import RunWriter, Store
-from stepwatch.store.backends import sqlite_rollup as _rollup
+from stepwatch.store.backends import rollup as _rollup
 from stepwatch.store.reader import delete_runs
 
 N = 60_000
@@ -49,17 +49,22 @@ def _exact(store: Store, key: str, max_points: int, align: int, **bounds: Any) -
         if bounds.get(name) is not None:
             where += f" AND step {op} ?"
             params.append(bounds[name])
-    with store._snapshot() as conn:
+
+    def read(conn: Any) -> list[Any]:
         (key_id,) = conn.execute("SELECT id FROM keys WHERE name = ?", (key,)).fetchone()
         args = (1, key_id, *params)
         count, lo, hi = conn.execute(
             f"SELECT COUNT(*), MIN(step), MAX(step) FROM points WHERE {where}", args
         ).fetchone()
         if count <= max_points:
-            return conn.execute(
-                f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", args
-            ).fetchall()
-        return type(store)._buckets(conn, where, args, max_points, lo, hi, align=align)
+            return list(
+                conn.execute(
+                    f"SELECT step, value FROM points WHERE {where} ORDER BY step, rowid", args
+                ).fetchall()
+            )
+        return store._buckets(conn, where, args, max_points, lo, hi, align=align)
+
+    return store._sql.read(read)
 
 
 def _pairs(steps: np.ndarray, values: np.ndarray) -> list[tuple[int, float | None]]:
@@ -68,7 +73,7 @@ def _pairs(steps: np.ndarray, values: np.ndarray) -> list[tuple[int, float | Non
 
 def _traced(store: Store) -> list[str]:
     statements: list[str] = []
-    store._conn.set_trace_callback(statements.append)
+    store._sql.conn.set_trace_callback(statements.append)
     return statements
 
 
@@ -131,7 +136,7 @@ def test_downsampled_read_uses_rollups_and_equals_the_exact_path(db: Path, max_p
             assert any("FROM rollups" in s for s in statements)
             width = _rollup.pick_width(_rollup.WIDTHS, 0, N - 1, max_points)
             assert width is not None
-            store._conn.set_trace_callback(None)
+            store._sql.conn.set_trace_callback(None)
             if run == 1:
                 assert _pairs(steps, values) == _exact(store, "loss", max_points, width)
             assert len(steps) <= max_points + max_points // 2  # min, max, and a NaN at most

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from stepwatch import RunRecorder, RunWriter, Store
-from stepwatch.store.backends.sqlite_read import SQLiteStore
+from stepwatch.store.backends.sqlite_read import SQLiteDialect
 from stepwatch.store.backends.sqlite_write import SQLiteWriteBackend
 from stepwatch.store.base import WriteBackend, parse_location
 
@@ -31,7 +31,7 @@ def test_writer_reader_and_recorder_take_a_location(tmp_path: Path) -> None:
     writer.event("note", "hello", 1)
     writer.close()
     with Store(url) as store:
-        assert isinstance(store, SQLiteStore) and isinstance(store, Store)
+        assert isinstance(store._sql, SQLiteDialect)
         assert store.location == str(tmp_path / "runs.db")
         assert [r.name for r in store.runs()] == ["by-url"]
         assert store.metrics(writer.run_id, "loss")[1].tolist() == [0.5]

@@ -1,6 +1,6 @@
-"""The run store's interface: where a store is (a location string), what a store reads
-(:class:`Store`), and what a backend writes for :class:`~stepwatch.store.RunWriter`
-(:class:`WriteBackend`).
+"""The run store's seam with its backends: where a store is (a location string), how a
+backend is read (:class:`ReadDialect`, under the one reader :class:`~stepwatch.store.Store`)
+and what a backend writes for :class:`~stepwatch.store.RunWriter` (:class:`WriteBackend`).
 
 A location is a file path (an SQLite store, as ``RunRecorder(db="runs.db")`` has always taken)
 or a URL whose scheme names the backend (``sqlite:///runs.db``; ``postgresql://user@host/db``
@@ -8,7 +8,8 @@ for a team store on a PostgreSQL server, :mod:`stepwatch.store.backends.postgres
 Every place that names a store - ``RunRecorder(db=...)``, ``RunWriter``, ``Store``, the
 CLI's ``--db``, ``stepwatch serve --db`` - takes one. The writer
 keeps its queue policy (bounded queue, batches, drop-and-count) and hands batches to a
-backend; every SQL statement lives in the backend (:mod:`stepwatch.store.backends`).
+backend; every SQL statement of writing lives in the backend (:mod:`stepwatch.store.backends`),
+and reading is one SQL reader over each backend's dialect.
 
 No PyTorch here, and no backend is imported before a location names it.
 """
@@ -18,24 +19,20 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from ._schema import resolve_path
 
-if TYPE_CHECKING:
-    import numpy as np
-
-    from ._runs import LossStats, RunInfo
-
 __all__ = [
     "Location",
-    "Store",
+    "ReadDialect",
     "StoreBusy",
     "StoreUnreachable",
     "WriteBackend",
     "hide_password",
+    "open_read_dialect",
     "open_write_backend",
     "parse_location",
 ]
@@ -55,17 +52,15 @@ class StoreUnreachable(StoreBusy):
     reason = "cannot be reached"
 
 
-# backend kind -> (module, reader class, writer class, location check): imported on first use.
-_BACKENDS: dict[str, tuple[str, str, str, str]] = {
+# backend kind -> (read dialect, write backend, location check): imported on first use.
+_BACKENDS: dict[str, tuple[str, str, str]] = {
     "sqlite": (
-        "stepwatch.store.backends.sqlite_read",
-        "SQLiteStore",
+        "stepwatch.store.backends.sqlite_read:SQLiteDialect",
         "stepwatch.store.backends.sqlite_write:SQLiteWriteBackend",
         "stepwatch.store.backends.sqlite_schema:check_writable_db",
     ),
     "postgresql": (
-        "stepwatch.store.backends.postgres_read",
-        "PostgresStore",
+        "stepwatch.store.backends.postgres_read:PostgresDialect",
         "stepwatch.store.backends.postgres_write:PostgresWriteBackend",
         "stepwatch.store.backends.postgres_schema:check_writable_url",
     ),
@@ -87,13 +82,20 @@ class Location(NamedTuple):
     shown: str
 
 
-def parse_location(location: str | os.PathLike[str] | None, argname: str = "db") -> Location:
+# What names a store: a path, a URL, None (the default) or a location parsed already.
+Where = str | os.PathLike[str] | Location | None
+
+
+def parse_location(location: Where, argname: str = "db") -> Location:
     """The store named by ``location``: None for the default file (``$STEPWATCH_DB`` or
-    ``./stepwatch.db``), a path, or a URL (``sqlite:///runs.db``, ``postgresql://...``).
+    ``./stepwatch.db``), a path, or a URL (``sqlite:///runs.db``, ``postgresql://...``); a
+    :class:`Location` is returned as it is (a store is parsed once, where it is first named).
 
     Raises:
         TypeError: not a str, a path or None. ValueError: a URL of an unknown kind.
     """
+    if isinstance(location, Location):
+        return location
     if location is None and "://" in os.environ.get("STEPWATCH_DB", ""):
         location = os.environ["STEPWATCH_DB"]  # $STEPWATCH_DB may name a team store too
     if location is None or isinstance(location, os.PathLike) or "://" not in str(location):
@@ -167,7 +169,7 @@ def hide_password(url: str) -> str:
     return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
-def _backend(location: Location, argname: str) -> tuple[str, str, str, str]:
+def _backend(location: Location, argname: str) -> tuple[str, str, str]:
     found = _BACKENDS.get(location.kind)
     if found is None:
         raise ValueError(
@@ -182,22 +184,27 @@ def _load(dotted: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def check_writable(location: str | os.PathLike[str] | None, argname: str = "db") -> Location:
-    """Parse ``location`` and check now that a run can be written there (before training)."""
+def check_writable(location: Where, argname: str = "db") -> Location:
+    """Parse ``location`` and check now that a run can be written there (before training);
+    the location, for the writer to open later."""
     found = parse_location(location, argname)
-    _load(_backend(found, argname)[3])(found.target, argname)
+    _load(_backend(found, argname)[2])(found.target, argname)
     return found
 
 
-def open_write_backend(
-    location: str | os.PathLike[str] | None, wait: float | None = None
-) -> WriteBackend:
+def open_write_backend(location: Where, wait: float | None = None) -> WriteBackend:
     """The backend that writes runs into the store at ``location``. ``wait``: the seconds to
     wait for a store another process holds (the backend's default when None); then
     :class:`StoreBusy`."""
     found = parse_location(location)
-    backend: WriteBackend = _load(_backend(found, "db")[2])(found.target, wait)
+    backend: WriteBackend = _load(_backend(found, "db")[1])(found.target, wait)
     return backend
+
+
+def open_read_dialect(location: Location, argname: str = "path") -> ReadDialect:
+    """The dialect that reads the store at ``location`` (opened: its connection is made)."""
+    dialect: ReadDialect = _load(_backend(location, argname)[0])(location)
+    return dialect
 
 
 class WriteBackend:
@@ -236,97 +243,68 @@ class WriteBackend:
         raise NotImplementedError
 
 
-class Store:
-    """Read access to a run store: runs, metrics and events, never changing the store.
+_T = TypeVar("_T")
 
-    ``Store(location)`` opens the store a location names (a file path: the SQLite store;
-    see :func:`parse_location`) and returns the backend's reader, e.g.
-    :class:`~stepwatch.store.backends.sqlite_read.SQLiteStore`; every reader has the methods
-    below.
 
-    Args:
-        path: the store's location (default ``$STEPWATCH_DB`` or ``./stepwatch.db``).
+class ReadDialect:
+    """How one kind of database is read by the one SQL reader, :class:`~stepwatch.store.Store`:
+    its connection (how a query runs) and the few pieces of SQL that differ.
 
-    Raises:
-        FileNotFoundError: no store at ``path`` (nothing is created).
-        ValueError: not a stepwatch store, or a location of an unknown kind.
-
-    Example:
-        >>> store = Store("stepwatch.db")
-        >>> run = store.runs()[-1]
-        >>> steps, losses = store.metrics(run.id, "step_loss", max_points=500)
-        >>> new_steps, new_losses = store.metrics(run.id, "step_loss", after=steps[-1])
+    Every query the reader writes marks its parameters with ``?``; ``read`` and ``write`` hand
+    ``fn`` an object whose ``execute(sql, params)`` runs it in the backend's own marks and
+    returns a cursor (``fetchone``, ``fetchall``, iteration), as ``sqlite3`` and psycopg do.
+    Where a backend keeps per-key totals (``series`` on PostgreSQL), its SQL reads them instead
+    of the points.
     """
 
     location: str  # how messages name the store
+    # The run's columns of ``runs r``, in this order: id, name, status, started, ended, host,
+    # pid, config, heartbeat, dropped, steps (the largest step of any key), user ('' if the
+    # store records none) and age (seconds since a live writer last wrote; NULL if unknown).
+    run_columns: str
+    # The run columns (over ``r``) then the loss summary: key name, count, epochs, min, last,
+    # last step, has step_loss; for the runs ``runs`` filtered by ``{where}`` and ``{limit}``.
+    loss_sql: str
+    keys_sql: str  # the run's key names, sorted; one parameter: the run
+    key_sql: str  # the id of a key the run recorded; parameters: the key's name, the run
+    # Per key of the run: name, count, min, max, last step, last value; one parameter: the run.
+    summary_sql: str
+    value: str = "{}"  # the value column (``{}``) as read: a NaN as NULL
+    nan: str = "value IS NULL"  # the condition of a point whose value is NaN
+    tie: str = ""  # how points of one step are ordered, after the step ('' for never twice)
+    event_order: str = "id"  # the events' column in the order they were recorded
+    lock_rows: str = ""  # what a write transaction adds to a SELECT to lock its rows
+    users = False  # whether the store records who ran each run
 
-    def __new__(cls, path: str | os.PathLike[str] | None = None) -> Store:
-        if cls is Store:
-            found = parse_location(path)
-            module, name, _, _ = _backend(found, "path")
-            cls = getattr(importlib.import_module(module), name)
-        return super().__new__(cls)
+    def status(self, status: str, host: str, pid: int, heartbeat: float, age: Any) -> str:
+        """The run's status as shown: a stored ``running`` whose writer is gone is crashed."""
+        raise NotImplementedError
+
+    def glob(self, column: str, pattern: str) -> tuple[str, Any]:
+        """``(condition, parameter)``: ``runs.<column>`` matches the glob ``pattern``."""
+        raise NotImplementedError
+
+    def contains(self, column: str) -> str:
+        """The condition that ``runs.<column>`` contains the parameter (a text)."""
+        raise NotImplementedError
+
+    def widths(self, query: Any, run: int) -> Sequence[int]:
+        """The rollup widths kept for ``run`` (empty: it is read by the exact path)."""
+        raise NotImplementedError
+
+    def run_tables(self, query: Any) -> list[tuple[str, str]]:
+        """``(table, column naming the run)`` of every table holding a run's rows, the runs
+        table last."""
+        raise NotImplementedError
+
+    def read(self, fn: Callable[[Any], _T]) -> _T:
+        """``fn(query)`` inside one read-only snapshot, under the dialect's lock (threads take
+        turns)."""
+        raise NotImplementedError
+
+    def write(self, fn: Callable[[Any], _T]) -> _T:
+        """``fn(query)`` inside one write transaction: all of it is stored, or none."""
+        raise NotImplementedError
 
     def close(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Store:
-        return self
-
-    def __exit__(self, *err: Any) -> None:
-        self.close()
-
-    # The reading interface: each backend's reader implements all of these.
-    def runs(
-        self,
-        name: str | None = None,
-        status: str | None = None,
-        last: int | None = None,
-        host: str | None = None,
-        user: str | None = None,
-    ) -> list[RunInfo]:
-        raise NotImplementedError
-
-    def runs_summary(
-        self,
-        name: str | None = None,
-        status: str | None = None,
-        last: int | None = None,
-        host: str | None = None,
-        user: str | None = None,
-    ) -> list[tuple[RunInfo, LossStats | None]]:
-        raise NotImplementedError
-
-    def loss_stats(self, run: int | str) -> LossStats | None:
-        raise NotImplementedError
-
-    def run(self, run: int | str) -> RunInfo:
-        raise NotImplementedError
-
-    def keys(self, run: int | str) -> list[str]:
-        raise NotImplementedError
-
-    def metrics(
-        self,
-        run: int | str,
-        key: str,
-        max_points: int | None = None,
-        start: int | None = None,
-        end: int | None = None,
-        after: int | None = None,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
-
-    def summary(self, run: int | str) -> dict[str, dict[str, float]]:
-        raise NotImplementedError
-
-    def points(self, run: int | str) -> list[tuple[str, int, int | None, float, float]]:
-        raise NotImplementedError
-
-    def events(self, run: int | str) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def delete_runs(self, runs: Sequence[int | str]) -> list[RunInfo]:
-        """Delete runs and everything recorded for them (the one writing call of a reader;
-        see :func:`stepwatch.store.reader.delete_runs`)."""
         raise NotImplementedError

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .._runs import RunInfo
-from ..base import Store, StoreUnreachable, hide_password, open_write_backend, parse_location
+from ..base import StoreUnreachable, hide_password, open_write_backend, parse_location
+from ..reader import Store
 from .postgres_write import PostgresWriteBackend, current_user
 
 __all__ = ["Pushed", "push_runs"]

@@ -9,7 +9,7 @@ writer's heartbeat as the server's clock saw it in ``seen``, and ``origin``, whi
 creating a run and pushing a local run idempotent), ``keys``, ``points`` (one value per
 ``(run, key, step)``: a batch sent twice is stored once), ``events`` (``seq`` numbers a run's
 events, so they too are stored once), ``rollups`` (the min/max blocks of
-:mod:`~stepwatch.store.backends.sqlite_rollup`) and ``series`` (per run and key: the count,
+:mod:`~stepwatch.store.backends.rollup`) and ``series`` (per run and key: the count,
 extremes and last point, so that listing 1,000 runs never reads their points).
 """
 

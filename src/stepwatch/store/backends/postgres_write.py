@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..base import StoreUnreachable, WriteBackend, hide_password
+from . import rollup
 from .postgres_schema import Backoff, connect, ensure_schema, psycopg, scrub
-from .sqlite_rollup import _BIG, WIDTHS, _merge
 
 __all__ = ["PostgresWriteBackend", "current_user"]
 
@@ -329,31 +329,21 @@ def _nulls(array: Any) -> list[Any]:
     return [None if x != x else x for x in array.tolist()]
 
 
-def _steps(array: Any) -> list[Any]:
-    return [None if s == _BIG else s for s in array.tolist()]
-
-
 def _aggregate(conn: Any, run: int, columns: Columns) -> None:
-    """Merge stored points into the run's rollups (the blocks of
-    :mod:`~stepwatch.store.backends.sqlite_rollup`) and its per-key series, and raise the
-    run's step count: in the points' transaction."""
+    """Merge stored points into the run's rollups (the blocks of :mod:`.rollup`) and its
+    per-key series, and raise the run's step count: in the points' transaction."""
     import numpy as np
 
     keys, steps, epochs, _, values = columns
-    if len(steps) > 1:
-        order = np.lexsort((steps, keys))
-        keys, steps, epochs, values = keys[order], steps[order], epochs[order], values[order]
-    nan_steps = np.where(np.isnan(values), steps, _BIG)
-    level: tuple[Any, ...] = (keys, steps, np.ones(len(steps), np.int64))
-    level += (steps, values, steps, values, nan_steps)
+    keys, steps, values, epochs = rollup.sort_points(keys, steps, values, epochs)
     rollups: list[list[Any]] = [[] for _ in range(10)]
-    for width in WIDTHS:
-        level = _merge(np, level, width)
-        key, first, n, min_step, vmin, max_step, vmax, nan_step = level
+    for width, (key, bucket, n, min_step, vmin, max_step, vmax, nan_step) in rollup.blocks(
+        keys, steps, values
+    ):
         for column, part in zip(rollups, (
-            [run] * len(key), key.tolist(), [width] * len(key),
-            (first >> (width.bit_length() - 1)).tolist(), n.tolist(), _steps(min_step),
-            _nulls(vmin), _steps(max_step), _nulls(vmax), _steps(nan_step),
+            [run] * len(key), key.tolist(), [width] * len(key), bucket.tolist(), n.tolist(),
+            rollup.steps_of(min_step), _nulls(vmin), rollup.steps_of(max_step), _nulls(vmax),
+            rollup.steps_of(nan_step),
         )):  # fmt: skip
             column.extend(part)
     conn.execute(_ROLLUP_SQL, rollups)

@@ -1,42 +1,24 @@
-"""Min/max rollups: per run, key and block of steps, the extremes of the points, kept beside them.
+"""The SQLite store's min/max rollups (:mod:`.rollup`): the statements that keep them, in the
+transaction that inserts the points, and the list of runs that have them.
 
-A downsampled read (``Store.metrics(..., max_points=N)``) needs each bucket's minimum and
-maximum. Read from the points, that visits every point of the range: as slow as reading them
-all. The writer therefore keeps, in the same transaction as the points it inserts, one row per
-``(run, key, width, bucket)`` for a few fixed block widths: the number of points, the minimum
-and the maximum with their steps, and the first step whose value is NaN (SQLite stores NaN as
-NULL). A read then takes each bucket's extremes from a few rollup rows and reads raw points only
-at the two edges of the range.
-
-Widths: 64, 512, 4096 and 32768 steps (a factor of 8). A read uses the coarsest width no wider
-than its bucket, so it reads fewer than 8 rollup rows per bucket (about ``4 * max_points`` rows
-at most). When a bucket is narrower than 64 steps, the range spans fewer than
-``32 * max_points`` steps, which the exact path reads quickly. The finest width adds one row
-per 64 points (about 1.5% more rows); the coarser ones add an eighth of that each.
-
-Merging is order-free: a batch's aggregates are merged into the stored rows with min/max logic
-(the smaller step wins a tie, as in the exact path), so points may arrive in any order and from
-several writers. A run is read through its rollups only if ``rollup_runs`` lists it: its writer
-kept them from its first point. Runs written before rollups existed (or by an older version)
-are not listed and are read by the exact path.
+A run is read through its rollups only if ``rollup_runs`` lists it: its writer kept them from
+its first point. Runs written before rollups existed (or by an older version) are not listed
+and are read by the exact path. SQLite stores a NaN as NULL, in the points and the rollups.
 """
 
 from __future__ import annotations
 
 import functools
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from typing import Any
 
-__all__: list[str] = []
+from . import rollup
 
-WIDTHS = (64, 512, 4096, 32768)  # powers of two, each a multiple of the one before
+__all__: list[str] = []
 
 # UPSERT (ON CONFLICT DO UPDATE) needs SQLite 3.24; an older library keeps no rollups.
 SUPPORTED = sqlite3.sqlite_version_info >= (3, 24, 0)
-
-_BIG = (1 << 63) - 1
 
 _MIN_WINS = (
     "excluded.min_value IS NOT NULL AND (min_value IS NULL OR excluded.min_value < min_value "
@@ -87,7 +69,7 @@ def mark_run(conn: sqlite3.Connection, run: int) -> None:
     if SUPPORTED:
         conn.execute(
             "INSERT OR REPLACE INTO rollup_runs (run, widths) VALUES (?, ?)",
-            (run, ",".join(map(str, WIDTHS))),
+            (run, ",".join(map(str, rollup.WIDTHS))),
         )
 
 
@@ -113,68 +95,27 @@ def update(conn: sqlite3.Connection, run: int, flat: list[Any], columns: int) ->
         keys = np.array(key_column, dtype=np.int64)
     steps = np.array(flat[1::columns], dtype=np.int64)
     values = np.array(flat[4::columns], dtype=np.float64)  # None (NULL) becomes NaN
-    if (
-        len(steps) > 1
-        and not (
-            (keys[1:] > keys[:-1]) | ((keys[1:] == keys[:-1]) & (steps[1:] >= steps[:-1]))
-        ).all()
-    ):
-        order = np.lexsort((steps, keys))
-        keys, steps, values = keys[order], steps[order], values[order]
-    # The points are blocks of one step; each width's blocks are merged from the previous one's
-    # (they nest), so only the finest width reads every point.
-    nan_steps = np.where(np.isnan(values), steps, _BIG)
-    level: tuple[Any, ...] = (keys, steps, np.ones(len(steps), np.int64))
-    level += (steps, values, steps, values, nan_steps)
     rows: list[Any] = []
-    for width in WIDTHS:
-        level = _merge(np, level, width)
-        key, first, n, min_step, vmin, max_step, vmax, nan_step = level
+    for width, (key, bucket, n, min_step, vmin, max_step, vmax, nan_step) in rollup.blocks(
+        *rollup.sort_points(keys, steps, values)
+    ):
         rows.extend(
             chain.from_iterable(
                 zip(
                     repeat(run),
                     key.tolist(),
                     repeat(width),
-                    (first >> (width.bit_length() - 1)).tolist(),
+                    bucket.tolist(),
                     n.tolist(),
-                    _steps(min_step),
-                    vmin.tolist(),
-                    _steps(max_step),
+                    rollup.steps_of(min_step),
+                    vmin.tolist(),  # NaN is stored as NULL
+                    rollup.steps_of(max_step),
                     vmax.tolist(),
-                    _steps(nan_step),
+                    rollup.steps_of(nan_step),
                 )
             )
         )
     _upsert(conn, rows)
-
-
-def _merge(np: Any, level: tuple[Any, ...], width: int) -> tuple[Any, ...]:
-    """Blocks ``(key, first step, n, min step, min, max step, max, first NaN step)``, sorted by
-    key and first step, merged into blocks of ``width`` steps."""
-    key, first, n, min_step, vmin, max_step, vmax, nan_step = level
-    block = first >> (width.bit_length() - 1)  # widths are powers of two
-    breaks = np.flatnonzero((key[1:] != key[:-1]) | (block[1:] != block[:-1])) + 1
-    starts = np.concatenate(([0], breaks))
-    sizes = np.diff(np.append(starts, len(first)))
-    new_min = np.fmin.reduceat(vmin, starts)  # NaN only where every value is NaN
-    new_max = np.fmax.reduceat(vmax, starts)
-    hit_min = np.where(vmin == np.repeat(new_min, sizes), min_step, _BIG)
-    hit_max = np.where(vmax == np.repeat(new_max, sizes), max_step, _BIG)
-    return (
-        key[starts],
-        block[starts] * width,
-        np.add.reduceat(n, starts),
-        np.minimum.reduceat(hit_min, starts),  # the smaller step wins a tie
-        new_min,
-        np.minimum.reduceat(hit_max, starts),
-        new_max,
-        np.minimum.reduceat(nan_step, starts),
-    )
-
-
-def _steps(steps: Any) -> list[int | None]:
-    return [None if s == _BIG else s for s in steps.tolist()]
 
 
 def widths_of(conn: sqlite3.Connection, run: int) -> tuple[int, ...]:
@@ -187,108 +128,3 @@ def widths_of(conn: sqlite3.Connection, run: int) -> tuple[int, ...]:
     if row is None:
         return ()
     return tuple(int(w) for w in str(row[0]).split(",") if w.strip().isdigit())
-
-
-def bounds(lo: int, hi: int, max_points: int, align: int) -> list[int]:
-    """The first step of each bucket, then ``hi + 1``: ``max_points // 2`` buckets of equal
-    width over ``[lo, hi]``, each inner boundary moved up to the next multiple of ``align``
-    (so that no block of ``align`` steps is cut)."""
-    buckets = max(1, max_points // 2)
-    width = (hi - lo) // buckets + 1
-    edges = [lo]
-    for first in range(lo + width, hi + 1, width):
-        edge = min(-(-first // align) * align, hi + 1)
-        if edge > edges[-1]:
-            edges.append(edge)
-    if edges[-1] <= hi:
-        edges.append(hi + 1)
-    return edges
-
-
-def pick_width(widths: Sequence[int], lo: int, hi: int, max_points: int) -> int | None:
-    """The coarsest rollup width no wider than a bucket, or None if none is."""
-    width = (hi - lo) // max(1, max_points // 2) + 1
-    fits = [w for w in widths if w <= width]
-    return max(fits) if fits else None
-
-
-def downsample(
-    conn: sqlite3.Connection, run: int, key: int, align: int, lo: int, hi: int, max_points: int
-) -> list[tuple[Any, ...]]:
-    """The min/max (and first NaN) rows of each bucket of :func:`bounds` over ``[lo, hi]``, for
-    a range whose points all lie in ``[lo, hi]``: whole blocks from the rollups of width
-    ``align``, the partial blocks at the two edges from the points."""
-    return merge_downsample(
-        lambda first, last: conn.execute(
-            "SELECT bucket * ?3, min_step, min_value, max_step, max_value, nan_step FROM rollups "
-            "WHERE run = ?1 AND key = ?2 AND width = ?3 AND bucket BETWEEN ?4 AND ?5",
-            (run, key, align, first, last),
-        ).fetchall(),
-        lambda a, b: conn.execute(
-            "SELECT step, value FROM points WHERE run = ? AND key = ? AND step BETWEEN ? AND ?",
-            (run, key, a, b),
-        ),
-        align,
-        lo,
-        hi,
-        max_points,
-    )
-
-
-def merge_downsample(
-    rollups: Callable[[int, int], Sequence[tuple[Any, ...]]],
-    points: Callable[[int, int], Iterable[tuple[int, float | None]]],
-    align: int | None,
-    lo: int,
-    hi: int,
-    max_points: int,
-) -> list[tuple[Any, ...]]:
-    """:func:`downsample` over any backend: ``rollups(first, last)`` gives the rollup rows of
-    the whole blocks ``first..last`` of width ``align`` (``(step, min step, min value, max
-    step, max value, first NaN step)``), ``points(a, b)`` the ``(step, value or None for
-    NaN)`` of the points in ``[a, b]``; with ``align`` None every point is read."""
-    # (step where it lies, min step, min value, max step, max value, first NaN step)
-    found: list[tuple[Any, ...]] = []
-    raw = [(lo, hi)]
-    if align is not None:
-        first = -(-lo // align)  # the first block that starts at or after lo
-        last = (hi + 1) // align - 1  # the last block that ends at or before hi
-        if first <= last:
-            found = list(rollups(first, last))
-            raw = [(lo, first * align - 1), ((last + 1) * align, hi)]
-    for a, b in raw:
-        if a <= b:
-            found.extend(
-                (s, s, v, s, v, None) if v is not None else (s, None, None, None, None, s)
-                for s, v in points(a, b)
-            )
-    return extremes(found, bounds(lo, hi, max_points, align or 1))
-
-
-def extremes(found: Sequence[tuple[Any, ...]], edges: list[int]) -> list[tuple[Any, ...]]:
-    """Per bucket of ``edges``, ``(step, value)`` of its minimum, its maximum (the smaller step
-    wins a tie) and its first NaN (value None), sorted by step."""
-    from bisect import bisect_right
-
-    inner = edges[1:-1]
-    best: dict[int, list[Any]] = {}
-    for at, smin, vmin, smax, vmax, snan in found:
-        i = bisect_right(inner, at)
-        b = best.get(i)
-        if b is None:
-            best[i] = [smin, vmin, smax, vmax, snan]
-            continue
-        if vmin is not None and (b[1] is None or vmin < b[1] or (vmin == b[1] and smin < b[0])):
-            b[0], b[1] = smin, vmin
-        if vmax is not None and (b[3] is None or vmax > b[3] or (vmax == b[3] and smax < b[2])):
-            b[2], b[3] = smax, vmax
-        if snan is not None and (b[4] is None or snan < b[4]):
-            b[4] = snan
-    rows: set[tuple[Any, ...]] = set()
-    for smin, vmin, smax, vmax, snan in best.values():
-        if vmin is not None:
-            rows.add((smin, vmin))
-            rows.add((smax, vmax))
-        if snan is not None:
-            rows.add((snan, None))
-    return sorted(rows, key=lambda r: (r[0], r[1] is not None, r[1] or 0.0))
