@@ -68,6 +68,16 @@ for _hook in HOOKS:
     setattr(Recorder, _hook, _recording_hook(_hook))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _spool_in_a_temporary_folder(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A run whose team store is away as it starts is recorded into a local spool file
+    (``$STEPWATCH_SPOOL``): in the tests, never into the checkout."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("STEPWATCH_SPOOL", str(tmp_path_factory.mktemp("spool") / "spool.db"))
+    yield
+    patch.undo()
+
+
 def wait_until(
     predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.01
 ) -> None:

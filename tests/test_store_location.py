@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,8 +52,8 @@ def test_the_cli_reads_a_store_named_by_url(tmp_path: Path) -> None:
     assert "cli-url" in out
 
 
-def test_a_server_store_that_cannot_be_reached_is_a_warning_and_drops_never_the_password(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+def test_a_server_store_that_cannot_be_reached_is_one_warning_and_a_local_spool(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import logging
     import socket
@@ -65,14 +66,23 @@ def test_a_server_store_that_cannot_be_reached_is_a_warning_and_drops_never_the_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"postgresql://trainer:s3cret@127.0.0.1:{port}/runs"
+    spool = tmp_path / "spool.db"
+    monkeypatch.setenv("STEPWATCH_SPOOL", str(spool))
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
-        RunRecorder(db=url)  # accepted: the writer keeps trying while training goes on
+        RunRecorder(db=url)  # accepted, without a word: the writer says what happens
+        assert caplog.records == []
         writer = RunWriter(url, name="away")
         for step in range(10):
             writer.log("loss", 1.0, step)
         writer.close()
-    assert writer.run_id is None and writer.dropped == 10
-    assert "trainer:***@127.0.0.1" in caplog.text and "cannot be reached" in caplog.text
+    # Nothing lost: the run went into the local spool file, named in one warning with the
+    # line that uploads it.
+    assert writer.spool == spool and writer.dropped == 0
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "trainer:***@127.0.0.1" in said and "cannot be reached" in said
+    assert f"stepwatch push --db {spool} --to postgresql://trainer:***@127.0.0.1" in said
+    with Store(spool) as store:
+        assert store.metrics(writer.run_id, "loss")[0].tolist() == list(range(10))
     with pytest.raises(ConnectionError, match="cannot reach the store") as info:
         Store(url)
     assert "s3cret" not in str(info.value) and "s3cret" not in caplog.text
@@ -184,13 +194,18 @@ def test_a_store_locked_by_another_process_is_reported_within_seconds(
     with caplog.at_level(logging.WARNING, logger="stepwatch"):
         thread.start()
         try:
-            wait_until(lambda: "is locked by another process; waiting" in caplog.text, timeout=20)
+            wait_until(lambda: "is locked by another process; " in caplog.text, timeout=20)
         finally:
             holder.execute("ROLLBACK")
             holder.close()
             thread.join(60)
     assert not thread.is_alive() and made and made[0].name == "waits"
     made[0].close()
+    # One message, and one that holds: the writer does not say it waits for minutes and then,
+    # seconds later, that training goes on.
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "waiting" not in said[0], said
+    assert "training goes on and the run is recorded once it is free" in said[0]
 
 
 def test_a_lock_taken_mid_run_delays_records_and_drops_none(
@@ -257,3 +272,61 @@ def test_a_store_locked_when_training_starts_lets_training_go_on(
     with Store(db) as store:
         assert store.run(2).status == "finished"
         assert store.metrics(2, "step_loss")[0].tolist() == list(range(1, 9))
+
+
+def test_a_store_in_folders_that_do_not_exist_is_refused_but_its_own_folder_is_made(
+    tmp_path: Path,
+) -> None:
+    deep = tmp_path / "nonexistent" / "dir" / "runs.db"
+    for make in (lambda: RunRecorder(db=deep), lambda: RunWriter(deep)):
+        with pytest.raises(
+            ValueError, match=r"cannot be created: '.*nonexistent' does not exist \(a store's own"
+        ):
+            make()
+    assert list(tmp_path.iterdir()) == []  # no folder made without a word
+    own = tmp_path / "runs" / "exp.db"  # one folder missing: the store's own, made
+    RunRecorder(db=own)
+    writer = RunWriter(own, name="in-its-folder")
+    writer.close()
+    with Store(own) as store:
+        assert [r.name for r in store.runs()] == ["in-its-folder"]
+
+
+def test_a_folder_given_as_the_store_gets_one_message_everywhere(tmp_path: Path) -> None:
+    from .conftest import run_cli
+
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    said = f"{str(folder)!r} is a folder; pass a database file such as"
+    with pytest.raises(ValueError, match=f"'db' {re.escape(said)}"):
+        RunRecorder(db=folder)
+    with pytest.raises(ValueError, match=re.escape(said)):
+        Store(folder)
+    done = run_cli("runs", "--db", str(folder))
+    assert done.returncode == 2 and said in done.stderr, done.stderr
+    assert "no stepwatch database" not in done.stderr
+
+
+def test_closing_a_run_puts_it_into_the_database_file_itself(tmp_path: Path) -> None:
+    """A copy of the .db alone holds a closed run, even while another connection kept SQLite
+    from checkpointing its -wal on close."""
+    import shutil
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    RunWriter(db, name="first").close()
+    reader = sqlite3.connect(db)  # another program holds the file open (a dashboard, a shell)
+    try:
+        reader.execute("SELECT count(*) FROM runs").fetchone()
+        writer = RunWriter(db, name="copied")
+        writer.log_batch("loss", range(5_000), [float(i) for i in range(5_000)])
+        writer.close()
+        copy = tmp_path / "copy" / "runs.db"
+        copy.parent.mkdir()
+        shutil.copyfile(db, copy)  # the .db only, not its -wal
+    finally:
+        reader.close()
+    with Store(copy) as store:
+        assert [r.name for r in store.runs()] == ["first", "copied"]
+        assert store.metrics("copied", "loss")[0].tolist() == list(range(5_000))
+        assert store.run("copied").status == "finished"

@@ -474,3 +474,55 @@ def test_a_run_whose_epoch_loss_is_nan_is_summarised_by_its_step_losses(
     )
     assert math.isnan(local.last) and (local.count, local.last_step) == (3, 3)
     assert shared is not None and shared.key == local.key and shared.min == local.min
+
+
+def test_a_team_store_away_as_the_run_starts_loses_nothing_and_push_uploads_it_later(
+    pg_cluster: PgCluster,
+    pg_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    spool = tmp_path / "spool.db"
+    monkeypatch.setenv("STEPWATCH_SPOOL", str(spool))
+    pg_cluster.stop_server()  # the server is down before the run starts, and through it
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            recorder = RunRecorder(
+                db=pg_url, run_name="offline", config={"lr": 0.1}, flush_seconds=600,
+                system_every=None,
+            )  # fmt: skip
+            make_model().train(3, make_batches(4), callbacks=[recorder])
+    finally:
+        pg_cluster._start_server()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1, said  # one message: where the run is, and how to upload it
+    assert f"recorded into the local file {spool}" in said[0]
+    assert f"stepwatch push --db {spool} --to postgresql://stepwatch:***@" in said[0]
+    assert pg_cluster.password not in said[0]
+    assert recorder.dropped == 0 and recorder.writer is not None
+    assert recorder.writer.spool == spool
+    pushed = run_cli("push", "--db", str(spool), "--to", pg_url, timeout=60)
+    assert pushed.returncode == 0, pushed.stderr
+    with Store(pg_url) as team, Store(spool) as mine:
+        local = mine.run(recorder.run_id or 0)
+        (run,) = team.runs()
+        assert (run.name, run.status, run.config) == ("offline", "finished", local.config)
+        assert run.config["lr"] == 0.1 and run.steps == local.steps == 12
+        assert team.keys(run.id) == mine.keys(local.id)
+        assert team.points(run.id) == mine.points(local.id)  # every point, as recorded
+        assert team.events(run.id) == mine.events(local.id)
+        assert team.summary(run.id) == mine.summary(local.id)
+        assert [s for k, s, *_ in team.points(run.id) if k == "step_loss"] == list(range(1, 13))
+
+
+def test_push_to_a_team_store_that_refuses_names_to(
+    pg_cluster: PgCluster, pg_url: str, tmp_path: Path
+) -> None:
+    db = tmp_path / "runs.db"
+    RunWriter(db, name="mine").close()
+    wrong = pg_url.replace(pg_cluster.password, "not-" + pg_cluster.password)
+    done = run_cli("push", "--db", str(db), "--to", wrong, timeout=60)
+    assert done.returncode == 2 and "password authentication failed" in done.stderr
+    assert "push: --to 'postgresql://stepwatch:***@" in done.stderr and "--db" not in done.stderr
+    assert pg_cluster.password not in done.stderr

@@ -19,6 +19,13 @@ def default_path() -> Path:
     return Path(os.environ.get("STEPWATCH_DB") or "stepwatch.db")
 
 
+def spool_path() -> Path:
+    """The local file a run is recorded into when its team store cannot be reached as the run
+    starts: ``$STEPWATCH_SPOOL`` if set, else ``./stepwatch-spool.db`` (beside the default
+    local store). ``stepwatch push --db <it> --to <the team store>`` uploads its runs later."""
+    return Path(os.environ.get("STEPWATCH_SPOOL") or "stepwatch-spool.db")
+
+
 def resolve_path(db: str | os.PathLike[str] | None) -> Path:
     if db is None:
         return default_path()

@@ -192,12 +192,14 @@ def check_writable(location: Where, argname: str = "db") -> Location:
     return found
 
 
-def open_write_backend(location: Where, wait: float | None = None) -> WriteBackend:
+def open_write_backend(
+    location: Where, wait: float | None = None, argname: str = "db"
+) -> WriteBackend:
     """The backend that writes runs into the store at ``location``. ``wait``: the seconds to
     wait for a store another process holds (the backend's default when None); then
-    :class:`StoreBusy`."""
-    found = parse_location(location)
-    backend: WriteBackend = _load(_backend(found, "db")[1])(found.target, wait)
+    :class:`StoreBusy`. ``argname``: how errors name the location (``db``, push's ``to``)."""
+    found = parse_location(location, argname)
+    backend: WriteBackend = _load(_backend(found, argname)[1])(found.target, wait, argname)
     return backend
 
 

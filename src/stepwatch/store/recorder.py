@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -23,7 +22,7 @@ from ..view.tap import Chunk
 from .base import check_writable
 from .notify import Notifier, check_notify_url
 from .system import SystemSampler
-from .writer import RunWriter
+from .writer import RunWriter, flush_period, run_config
 
 __all__ = ["RunRecorder"]
 
@@ -122,11 +121,10 @@ class RunRecorder(Callback):
         system_every: float | None = 10.0,
         notify: str | None = None,
     ) -> None:
-        check_writable(db)  # a path, a store URL or None; refused now, not at step 1
-        if run_name is not None and not isinstance(run_name, str):
-            raise TypeError(f"'run_name' must be a str or None, but got {type(run_name).__name__}.")
-        if config is not None and not isinstance(config, dict):
-            raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
+        # A path, a store URL or None, parsed once and checked now, not at step 1; the writer
+        # opens the location parsed here.
+        self._where = check_writable(db)
+        run_config(run_name, config, "run_name")  # refused now rather than at step 1
         self.db = db
         self.run_name = run_name
         self.config = dict(config or {})
@@ -136,7 +134,7 @@ class RunRecorder(Callback):
                 "RunRecorder needs 'every_n_steps' >= 1 or 'every_n_seconds' > 0 to record steps."
             )
         self.transfer_every = check_int("transfer_every", transfer_every, minimum=1)
-        self.flush_seconds = check_number("flush_seconds", flush_seconds, minimum=0.001) or 1.0
+        self.flush_seconds = flush_period(flush_seconds)
         self.system_every = (
             None
             if system_every is None
@@ -154,10 +152,6 @@ class RunRecorder(Callback):
         self._last_ckpt: str | None = None
         self._cb_params: CallbackParams | None = None
         self._view: RunView | None = None
-        try:
-            json.dumps(self.config)  # validate the config now rather than at step 1
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
 
     # -- lifecycle ----------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
@@ -184,7 +178,7 @@ class RunRecorder(Callback):
             config["host"] = view.host
         if view.config:
             config["host_config"] = view.config
-        writer = RunWriter(self.db, self.run_name, config, flush_seconds=self.flush_seconds)
+        writer = RunWriter(self._where, self.run_name, config, flush_seconds=self.flush_seconds)
         if self.system_every is not None:
             writer.system = SystemSampler(self.system_every)
         if self.notify is not None:

@@ -35,6 +35,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._validation import check_int, check_number
@@ -52,8 +53,15 @@ from ._records import (
 )
 from ._records import Batch as _Batch
 from ._records import Event as _Event
-from ._schema import STATUSES
-from .base import StoreBusy, StoreUnreachable, WriteBackend, open_write_backend, parse_location
+from ._schema import STATUSES, spool_path
+from .base import (
+    StoreBusy,
+    StoreUnreachable,
+    Where,
+    WriteBackend,
+    open_write_backend,
+    parse_location,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -80,6 +88,11 @@ def _close_open_writers() -> None:  # pragma: no cover - runs at interpreter exi
 class RunWriter:
     """Create a run in the store and write its points and events without blocking training.
 
+    A team store that cannot be reached as the run starts does not lose the run: it is
+    recorded into a local file instead (``$STEPWATCH_SPOOL``, default
+    ``./stepwatch-spool.db``), named in one warning with the ``stepwatch push`` line that
+    uploads it when the server is back (offline first); :attr:`spool` is that file.
+
     Args:
         db: the store's location: a database file (default ``$STEPWATCH_DB`` or
             ``./stepwatch.db``) or a store URL (``sqlite:///runs.db``,
@@ -94,6 +107,7 @@ class RunWriter:
         run_id: the run's id in the store.
         dropped: records dropped (full queue or failing disk).
         written: points written.
+        spool: the local file the run went to, its team store away at the start (or None).
 
     Raises:
         TypeError / ValueError: bad arguments; a config that is not JSON-serialisable.
@@ -103,47 +117,45 @@ class RunWriter:
 
     def __init__(
         self,
-        db: str | os.PathLike[str] | None = None,
+        db: Where = None,
         name: str | None = None,
         config: dict[str, Any] | None = None,
         flush_seconds: float = 1.0,
         max_pending: int = 100_000,
         block_seconds: float = 0.5,
     ) -> None:
-        found = parse_location(db)
-        self.path = found.target  # the file, for a local store
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"'name' must be a str or None, but got {type(name).__name__}.")
-        if config is not None and not isinstance(config, dict):
-            raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
-        try:
-            config_json = json.dumps(config or {}, sort_keys=True, default=_json_default)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
-        flush = check_number("flush_seconds", flush_seconds, minimum=0.0)
-        self.flush_seconds = flush if flush else 1.0
+        where = parse_location(db)  # once: every later open takes the parsed location
+        self.path = where.target  # the file, for a local store
+        config_json = run_config(name, config)
+        self.flush_seconds = flush_period(flush_seconds)
         self.max_pending = check_int("max_pending", max_pending, minimum=1)
         self.block_seconds = check_number("block_seconds", block_seconds, minimum=0.0) or 0.0
 
-        self.location = found.shown
-        self._db = db
+        self.location = where.shown
+        self._where = where
         self._create = (name or "", config_json, socket.gethostname(), os.getpid(), time.time())
         self._backend: WriteBackend | None = None
         self.run_id: int | None = None
         self.name = name or ""
+        self.spool: Path | None = None
         self._unreachable = False  # a server store that cannot be reached now
+        self._reached = False  # the store was reached once (a connection was made)
         try:
             self._open(_START_WAIT)
         except StoreBusy as exc:
-            # Another process holds the store (or its server is away): training goes on; the
-            # writer thread creates the run when the store is free, and the records wait for
-            # it in the queue.
-            self._unreachable = isinstance(exc, StoreUnreachable)
-            logger.warning(
-                "stepwatch store: %s %s; training goes on and the run is recorded once it is free",
-                self.location,
-                _why(exc),
-            )
+            if isinstance(exc, StoreUnreachable) and not self._reached:
+                self._spool(exc)  # the server is away: the run goes to a local file
+            else:
+                # Another process holds the store, or the server went away while the run was
+                # being made: training goes on; the writer thread creates the run when the
+                # store is free, and the records wait for it in the queue.
+                self._unreachable = isinstance(exc, StoreUnreachable)
+                logger.warning(
+                    "stepwatch store: %s %s; training goes on and the run is recorded once "
+                    "it is free",
+                    self.location,
+                    _why(exc),
+                )
         self.dropped = 0
         self.written = 0
         self._pending: collections.deque[Any] = collections.deque()
@@ -168,7 +180,8 @@ class RunWriter:
 
     def _open(self, wait: float) -> None:
         """Open the backend and create the run; StoreBusy while another process holds it."""
-        backend = open_write_backend(self._db, wait=wait)
+        backend = open_write_backend(self._where, wait=wait)
+        self._reached = True
         try:
             self.run_id = backend.create_run(*self._create)
         except BaseException:
@@ -176,6 +189,39 @@ class RunWriter:
             raise
         self._backend = backend
         self.name = self.name or f"run-{self.run_id}"
+
+    def _spool(self, away: StoreUnreachable) -> None:
+        """The team store cannot be reached as the run starts: record the run into the local
+        spool file instead, and say once where it is and how to upload it. If that file
+        cannot be written either, wait for the server (records past ``max_pending`` are
+        dropped and counted)."""
+        team, team_where, spool = self.location, self._where, spool_path()
+        self._where = parse_location(spool)
+        try:
+            self._open(_START_WAIT)
+        except Exception as exc:
+            self._where, self._unreachable = team_where, True
+            logger.warning(
+                "stepwatch store: %s %s, and the local file %s cannot take the run either "
+                "(%s); training goes on, the run is recorded once the server is back",
+                team,
+                _why(away),
+                spool,
+                exc,
+            )
+            return
+        self.spool, self.location, self.path = spool, str(spool), spool
+        logger.warning(
+            "stepwatch store: %s %s; run %s is recorded into the local file %s instead "
+            "(nothing is lost): when the server is back, upload it with "
+            "`stepwatch push --db %s --to %s`",
+            team,
+            _why(away),
+            self.run_id,
+            spool,
+            spool,
+            team,
+        )
 
     # -- training-thread side ---------------------------------------------------------------
     def _room(self) -> bool:
@@ -510,6 +556,27 @@ _OPEN_WAIT = 1.0
 # How long close() waits for a server that cannot be reached before it counts what still
 # waits as dropped.
 _UNREACHABLE_CLOSE_WAIT = 5.0
+
+
+def run_config(name: Any, config: Any, argname: str = "name") -> str:
+    """Check a run's name (named ``argname``) and config; the config as stored (JSON).
+
+    Raises:
+        TypeError: a name that is not a str, a config that is not a JSON-serialisable dict.
+    """
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"'{argname}' must be a str or None, but got {type(name).__name__}.")
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
+    try:
+        return json.dumps(config or {}, sort_keys=True, default=_json_default)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
+
+
+def flush_period(seconds: Any) -> float:
+    """``flush_seconds`` checked: the longest a record waits before it is written (0: 1 s)."""
+    return check_number("flush_seconds", seconds, minimum=0.0) or 1.0
 
 
 def _why(exc: StoreBusy) -> str:

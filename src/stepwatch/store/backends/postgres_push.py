@@ -63,7 +63,7 @@ def push_runs(
         picked = [local.run(ref) for ref in dict.fromkeys(runs)] if runs else local.runs()
         picked = list({info.id: info for info in picked}.values())  # by id and by name: once
         try:
-            backend = open_write_backend(target)
+            backend = open_write_backend(found, argname="to")
         except StoreUnreachable as exc:
             raise ConnectionError(f"cannot reach the store {found.shown}: {exc}") from None
         assert isinstance(backend, PostgresWriteBackend)

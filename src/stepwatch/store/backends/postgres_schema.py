@@ -15,7 +15,6 @@ extremes and last point, so that listing 1,000 runs never reads their points).
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -209,18 +208,13 @@ def ensure_schema(conn: Any, shown: str) -> None:
 
 def check_writable_url(url: str, argname: str = "db") -> None:
     """Before training: psycopg is installed, the server takes our credentials and the store
-    is not of a newer version. A server that cannot be reached now is no error here: the
-    writer warns and keeps trying while training goes on."""
+    is not of a newer version. A server that cannot be reached now is no error here, and no
+    message: if it is still away when the run starts, the writer records the run locally and
+    says so, once (:class:`~stepwatch.store.RunWriter`)."""
     shown = hide_password(url)
     try:
         conn = connect(url, argname)
-    except StoreUnreachable as exc:
-        logging.getLogger("stepwatch").warning(
-            "stepwatch store: %s cannot be reached now (%s); training will go on and the "
-            "writer keeps trying",
-            shown,
-            exc,
-        )
+    except StoreUnreachable:
         return
     try:
         check_version(stored_version(conn), shown)

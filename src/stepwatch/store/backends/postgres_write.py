@@ -49,6 +49,7 @@ class PostgresWriteBackend(WriteBackend):
         url: ``postgresql://user[:password]@host:port/database``; the password may instead come
             from ``PGPASSWORD`` or ``~/.pgpass``, as libpq reads them.
         wait: unused (a server store has no lock to wait for).
+        argname: how errors name the URL (``db``; ``to`` for ``stepwatch push``).
 
     Raises:
         StoreUnreachable: the server cannot be reached now (the writer keeps trying).
@@ -57,11 +58,11 @@ class PostgresWriteBackend(WriteBackend):
         ImportError: psycopg is not installed.
     """
 
-    def __init__(self, url: str, wait: float | None = None) -> None:
+    def __init__(self, url: str, wait: float | None = None, argname: str = "db") -> None:
         self._url = url
         self.location = hide_password(url)
         self._pg = psycopg()
-        self._conn: Any = connect(url)
+        self._conn: Any = connect(url, argname)
         try:
             ensure_schema(self._conn, self.location)
         except BaseException:

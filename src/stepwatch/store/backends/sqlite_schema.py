@@ -77,14 +77,20 @@ CREATE TABLE IF NOT EXISTS rollups (
 """
 
 
+def is_a_folder(path: Path) -> str:
+    """What every place that opens a store says of a folder given as the store: the writer
+    (``RunRecorder(db=...)``, ``RunWriter``) and the reader (``Store``, the CLI's ``--db``)."""
+    return (
+        f"{str(path)!r} is a folder; pass a database file such as {str(path / 'stepwatch.db')!r}."
+    )
+
+
 def check_writable_db(path: Path, argname: str = "db") -> None:
     """Raise ValueError now for a path that cannot hold a run store: a folder, a file that is
-    not SQLite, an SQLite file of another program, or a place that cannot be written."""
+    not SQLite, an SQLite file of another program, a place that cannot be written, or a file
+    whose folder's folder does not exist (the store's own folder is made, not a whole tree)."""
     if path.is_dir():
-        raise ValueError(
-            f"'{argname}' {str(path)!r} is a folder; pass a database file such as "
-            f"{str(path / 'stepwatch.db')!r}."
-        )
+        raise ValueError(f"'{argname}' {is_a_folder(path)}")
     if path.is_file():
         folder = path.resolve().parent
         if not os.access(path, os.W_OK) or not os.access(folder, os.W_OK | os.X_OK):
@@ -126,15 +132,30 @@ def check_writable_db(path: Path, argname: str = "db") -> None:
     probe = nearest_existing(path.parent)
     if not probe.is_dir():
         raise ValueError(f"'{argname}' {str(path)!r} cannot be created: {str(probe)!r} is a file.")
+    _check_folders(path, probe, argname)
     if not os.access(probe, os.W_OK | os.X_OK):
         raise ValueError(f"'{argname}' {str(path)!r} cannot be created: no permission.")
+
+
+def _check_folders(path: Path, probe: Path, argname: str) -> None:
+    """A ValueError when more than the store's own folder is missing (``probe``: the nearest
+    folder that exists): a mistyped path never makes a tree of folders without a word."""
+    folder = path.absolute().parent
+    if probe not in (folder, folder.parent):
+        missing = folder.relative_to(probe).parts[0]
+        raise ValueError(
+            f"'{argname}' {str(path)!r} cannot be created: {str(probe / missing)!r} does not "
+            f"exist (a store's own folder is made, {str(folder)!r}, but not the folders "
+            "above it); create them first, or pass a path in a folder that exists."
+        )
 
 
 def connect_for_writing(path: Path, give_up: float | None = None) -> sqlite3.Connection:
     """Open (creating if needed) the database in WAL mode, ready for concurrent writers.
     ``give_up``: the seconds to wait for a lock another process holds (default 2 minutes);
     then a ``sqlite3.OperationalError`` saying it stayed locked."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_folders(path, nearest_existing(path.parent), "db")
+    path.parent.mkdir(exist_ok=True)  # the store's own folder only
     conn = sqlite3.connect(
         path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False
     )
@@ -255,6 +276,8 @@ def connect_for_reading(path: Path) -> sqlite3.Connection:
     we may not write is opened ``mode=ro``, and ``immutable`` when no ``-wal`` file exists:
     then no writer can be using it and SQLite needs no lock files.
     """
+    if path.is_dir():
+        raise ValueError(is_a_folder(path))
     if not path.is_file():
         raise FileNotFoundError(f"no stepwatch database at {str(path)!r}")
     folder = path.resolve().parent
@@ -292,6 +315,7 @@ def _retry(fn: Callable[[], Any], path: Path | None = None, give_up: float = 120
     first ~2 s of waiting, and a clear error after ``give_up`` seconds."""
     start = time.monotonic()
     warned = False
+    long = give_up >= 4 * _OPEN_WAIT_MS / 1000
     attempt = 0
     while True:
         try:
@@ -307,14 +331,16 @@ def _retry(fn: Callable[[], Any], path: Path | None = None, give_up: float = 120
                     f"{waited:.0f} s; close the program that holds it (a writer in a long "
                     "transaction, an open sqlite3 shell) and start again"
                 ) from None
-            if not warned and waited >= _OPEN_WAIT_MS / 1000 and path is not None:
+            # Said only by a caller that waits long (not the writer, which gives up within
+            # seconds, lets training go on, and says so itself: one message, not two).
+            if not warned and waited >= _OPEN_WAIT_MS / 1000 and path is not None and long:
                 import logging  # only when waiting: the CLI starts faster without it
 
                 warned = True
                 logging.getLogger("stepwatch").warning(
                     "stepwatch store: %s is locked by another process; waiting for it (up to %d s)",
                     path,
-                    _OPEN_GIVE_UP,
+                    give_up,
                 )
             attempt += 1
             time.sleep(min(0.02 * attempt, 0.5))

@@ -28,7 +28,7 @@ class SQLiteWriteBackend(WriteBackend):
         sqlite3.Error: the database cannot be opened or created at all.
     """
 
-    def __init__(self, path: Path, wait: float | None = None) -> None:
+    def __init__(self, path: Path, wait: float | None = None, argname: str = "db") -> None:
         self.path = path
         self.location = str(path)
         try:
@@ -106,6 +106,11 @@ class SQLiteWriteBackend(WriteBackend):
             )
 
     def close(self) -> None:
+        # The run into the database file itself, not only its -wal (where it stays while
+        # another connection is open, or after checkpoints failed on a full disk): a copy of
+        # the .db alone then holds it. PASSIVE: never waits for a reader.
+        with contextlib.suppress(sqlite3.Error):  # a failing disk: the -wal still holds it
+            self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
         self._conn.close()
 
 
