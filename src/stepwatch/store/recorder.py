@@ -124,7 +124,7 @@ class RunRecorder(Callback):
         # A path, a store URL or None, parsed once and checked now, not at step 1; the writer
         # opens the location parsed here.
         self._where = check_writable(db)
-        run_config(run_name, config, "run_name")  # refused now rather than at step 1
+        run_config(run_name, config, "run_name", strict=True)  # refused now, not at step 1
         self.db = db
         self.run_name = run_name
         self.config = dict(config or {})

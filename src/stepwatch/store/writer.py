@@ -558,8 +558,10 @@ _OPEN_WAIT = 1.0
 _UNREACHABLE_CLOSE_WAIT = 5.0
 
 
-def run_config(name: Any, config: Any, argname: str = "name") -> str:
+def run_config(name: Any, config: Any, argname: str = "name", strict: bool = False) -> str:
     """Check a run's name (named ``argname``) and config; the config as stored (JSON).
+    ``strict``: a value JSON cannot hold is refused (a user's hyperparameters, checked by
+    ``RunRecorder``), else stored as its text (tensors and arrays as numbers).
 
     Raises:
         TypeError: a name that is not a str, a config that is not a JSON-serialisable dict.
@@ -569,7 +571,7 @@ def run_config(name: Any, config: Any, argname: str = "name") -> str:
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"'config' must be a dict or None, but got {type(config).__name__}.")
     try:
-        return json.dumps(config or {}, sort_keys=True, default=_json_default)
+        return json.dumps(config or {}, sort_keys=True, default=None if strict else _json_default)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"'config' must be JSON-serialisable: {exc}") from exc
 
