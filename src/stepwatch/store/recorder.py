@@ -186,7 +186,7 @@ class RunRecorder(Callback):
             writer.notifier.run_id = writer.run_id
         self.writer = writer
         self._run_id = self.writer.run_id
-        view.sink = self.writer  # the run's store: alerts and other monitors write here too
+        view.attach_sink(self.writer)  # the run's store: alerts and other monitors write here too
         self._view = view
         self._sample.reset(p.cur_step_num)
         self._first_sampled = p.cur_step_num
@@ -343,8 +343,8 @@ class RunRecorder(Callback):
         view, self._view = self._view, None
         if view is not None:
             view.tap.unsubscribe(self)  # its chunks and its looks
-            if view.sink is self.writer:
-                view.sink = None
+            if self.writer is not None:
+                view.detach_sink(self.writer)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         writer = self.writer
