@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The public faces as they were when the package imported everything eagerly.
 PACKAGE_ALL = [
+    "GRAPH_MODE",
     "MAE",
     "MSE",
+    "PYNATIVE_MODE",
     "Accuracy",
     "Alert",
     "AnomalyMonitor",
@@ -43,6 +45,7 @@ PACKAGE_ALL = [
     "ModelCheckpoint",
     "NumpySlicesDataset",
     "OnRequestExit",
+    "ParallelMode",
     "PlotMonitor",
     "Precision",
     "ProgressBar",
@@ -59,11 +62,16 @@ PACKAGE_ALL = [
     "TopKCategoricalAccuracy",
     "WatchedRun",
     "__version__",
+    "get_auto_parallel_context",
+    "get_context",
     "load_checkpoint",
+    "reset_auto_parallel_context",
     "save_checkpoint",
+    "set_auto_parallel_context",
+    "set_context",
     "watch",
 ]
-PACKAGE_SUBMODULES = {"amp", "dataset", "distributed", "monitor", "store", "train", "view"}
+PACKAGE_SUBMODULES = {"amp", "context", "dataset", "distributed", "monitor", "store", "train", "view"}
 
 
 def _python(code: str, timeout: float = 60) -> str:
@@ -149,6 +157,7 @@ def test_package_faces_keep_their_names() -> None:
         "from stepwatch.store import Store, RunInfo, RunWriter, default_path",
         "import stepwatch.monitor.values, stepwatch.store.export, stepwatch.cli",
         "import stepwatch.dashboard.server, stepwatch.plotting",
+        "from stepwatch import context, GRAPH_MODE, set_context, get_context",
     ],
 )
 def test_reading_imports_no_torch(statements: str) -> None:

@@ -126,14 +126,20 @@ def test_errors_are_instances_of_mindsporess_type_and_stepwatchs() -> None:
 
 # -- 7. prefix and directory as functions of cb_params ---------------------------------------
 def test_checkpoint_prefix_and_directory_may_be_functions(tmp_path: Path) -> None:
+    # As in MindSpore, a prefix function names the whole file, at each save.
     saver = ModelCheckpoint(
-        prefix=lambda p: f"net_rank{p.rank_id}",
+        prefix=lambda p: f"net_rank{p.rank_id}-{p.cur_epoch_num}_{p.step_in_epoch}",
         directory=lambda p: tmp_path / f"rank_{p.rank_id}",
         config=CheckpointConfig(save_checkpoint_steps=2, keep_checkpoint_max=10),
     )
     make_model().train(1, make_batches(4), callbacks=[saver])
-    names = sorted(p.name for p in (tmp_path / "rank_0").glob("net_rank0-*.pt"))
-    assert names == ["net_rank0-1_2.pt", "net_rank0-1_4.pt", "net_rank0-last.pt"]
+    names = sorted(p.name for p in (tmp_path / "rank_0").iterdir())
+    assert names == ["net_rank0-1_2.pt", "net_rank0-1_4.pt"]
+    assert saver.latest_ckpt_file_name == str(tmp_path / "rank_0" / "net_rank0-1_4.pt")
+    # The same name each time: one file, the newest.
+    same = ModelCheckpoint(lambda p: "net", tmp_path / "one", CheckpointConfig(2))
+    make_model().train(1, make_batches(4), callbacks=[same])
+    assert [p.name for p in (tmp_path / "one").iterdir()] == ["net.pt"]
     with pytest.raises(ValueError, match="without '/'"):
         make_model().train(
             1,

@@ -17,6 +17,16 @@ from ._version import __version__
 
 if TYPE_CHECKING:
     from ._tensor import Tensor
+    from .context import (
+        GRAPH_MODE,
+        PYNATIVE_MODE,
+        ParallelMode,
+        get_auto_parallel_context,
+        get_context,
+        reset_auto_parallel_context,
+        set_auto_parallel_context,
+        set_context,
+    )
     from .dataset import NumpySlicesDataset
     from .monitor import Alert, Every, RingBuffer
     from .store import RunRecorder, RunWriter, Store
@@ -58,8 +68,10 @@ if TYPE_CHECKING:
     from .train.callback import CallbackParams
 
 __all__ = [
+    "GRAPH_MODE",
     "MAE",
     "MSE",
+    "PYNATIVE_MODE",
     "Accuracy",
     "Alert",
     "AnomalyMonitor",
@@ -82,6 +94,7 @@ __all__ = [
     "ModelCheckpoint",
     "NumpySlicesDataset",
     "OnRequestExit",
+    "ParallelMode",
     "PlotMonitor",
     "Precision",
     "ProgressBar",
@@ -98,8 +111,13 @@ __all__ = [
     "TopKCategoricalAccuracy",
     "WatchedRun",
     "__version__",
+    "get_auto_parallel_context",
+    "get_context",
     "load_checkpoint",
+    "reset_auto_parallel_context",
     "save_checkpoint",
+    "set_auto_parallel_context",
+    "set_context",
     "watch",
 ]
 
@@ -114,12 +132,26 @@ _ELSEWHERE = {
     "RunRecorder": ".store",
     "RunWriter": ".store",
     "Store": ".store",
+    # MindSpore's context names (importing them loads no torch)
+    **dict.fromkeys(
+        (
+            "GRAPH_MODE",
+            "PYNATIVE_MODE",
+            "ParallelMode",
+            "get_auto_parallel_context",
+            "get_context",
+            "reset_auto_parallel_context",
+            "set_auto_parallel_context",
+            "set_context",
+        ),
+        ".context",
+    ),
 }
 __getattr__, __dir__ = lazy_face(
     __name__,
     globals(),
     # the public names not listed elsewhere are stepwatch.train's
     {name: _ELSEWHERE.get(name, ".train") for name in __all__ if name != "__version__"},
-    submodules=("amp", "dataset", "distributed", "monitor", "store", "train", "view"),
+    submodules=("amp", "context", "dataset", "distributed", "monitor", "store", "train", "view"),
 )
 del TYPE_CHECKING, lazy_face, _ELSEWHERE

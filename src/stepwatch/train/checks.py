@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..context import default_device as context_device
 from ..dataset import NumpySlicesDataset, check_batch, feed, move
 from ..distributed import is_distributed, local_rank
 from .state import rng_state, set_rng_state
@@ -320,6 +321,12 @@ def check_schedule(step: Any, epochs: int, batch_num: int) -> None:
 
 def resolve_device(device: Any) -> torch.device:
     if device is None:
+        chosen = context_device()  # set_context(device_target=...), as in MindSpore
+        if chosen is not None:
+            kind, index = chosen
+            if kind == "cuda" and index is None and is_distributed():
+                index = local_rank()
+            return torch.device(kind, index) if index is not None else torch.device(kind)
         if not torch.cuda.is_available():
             return torch.device("cpu")
         # One GPU per process in a distributed run: this machine's LOCAL_RANK-th.

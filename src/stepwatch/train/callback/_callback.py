@@ -313,6 +313,25 @@ class RunContext:
         """Return True once a stop was requested."""
         return self.stop_requested
 
+    # MindSpore's own attribute names, which its FAQ teaches and users' callbacks write to
+    # (``run_context._stop_requested = True``) or read (``run_context._original_args``).
+    @property
+    def _stop_requested(self) -> bool:
+        return self.stop_requested
+
+    @_stop_requested.setter
+    def _stop_requested(self, value: bool) -> None:
+        if value:
+            self.request_stop()
+        else:  # MindSpore takes the request back
+            self.stop_requested = False
+            self.stop_kind = None
+            self.stop_reason = None
+
+    @property
+    def _original_args(self) -> CallbackParams:
+        return self.cb_params
+
     @property
     def interrupted(self) -> bool:
         """True when the stop came from outside (a signal): the run should be resumed later."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._tensor import as_stepwatch_tensor
+from ..step import loss_scale_outputs
 from ...view.run import view_of
 
 __all__ = ["CallbackParams", "Progress"]
@@ -66,8 +67,11 @@ class CallbackParams:
     Fields computed when read, so that nothing syncs with the device unless a callback asks:
 
     * ``net_outputs`` - the step's loss as a detached :class:`stepwatch.Tensor` (no host copy);
-      during evaluation ``(loss, outputs, label)``, as MindSpore's eval network returns them,
-      and without a ``loss_fn`` the eval network's output;
+      with a loss scale manager that skips overflowed steps, ``(loss, overflow, scale)`` as
+      MindSpore's ``TrainOneStepWithLossScaleCell`` returns them (read when you index it);
+      during evaluation ``(loss, outputs, label)``, as MindSpore's eval network returns them
+      (with ``eval_indexes``, the eval network's whole output), and without a ``loss_fn`` the
+      eval network's output;
     * ``loss`` - at step hooks the step's loss as a float (reading it waits for the device);
       at ``on_train_epoch_end`` the epoch's mean training loss, and at the end of an
       evaluation pass that pass's mean loss;
@@ -142,6 +146,7 @@ class CallbackParams:
         self._wrapped: tuple[Any, Any] | None = None
         self._epoch_loss: float | None = None
         self._eval_label: Any = None  # an evaluation step's label, for net_outputs
+        self._eval_returned: Any = None  # an eval network's whole output (eval_indexes)
         self.progress = Progress()
         computed = {k: fields.pop(k) for k in ("net_outputs", "loss") if k in fields}
         self.__dict__.update(fields)
@@ -160,10 +165,17 @@ class CallbackParams:
         if wrapped is not None and wrapped[0] is raw:
             return wrapped[1]
         value = as_stepwatch_tensor(raw)
-        label = self._eval_label
-        if label is not None and raw is self.loss_tensor and self.mode == "eval":
-            # MindSpore's eval network (WithEvalCell) returns (loss, outputs, label)
-            value = (value, as_stepwatch_tensor(self.outputs), label)
+        if self.mode == "eval":
+            returned = self._eval_returned
+            label = self._eval_label
+            if returned is not None:
+                # An eval network read through eval_indexes: its whole output, as MindSpore's
+                value = tuple(as_stepwatch_tensor(v) for v in returned)
+            elif label is not None and raw is self.loss_tensor:
+                # MindSpore's eval network (WithEvalCell) returns (loss, outputs, label)
+                value = (value, as_stepwatch_tensor(self.outputs), label)
+        elif raw is self.loss_tensor and self.__dict__.get("loss_scaler") is not None:
+            value = loss_scale_outputs(self, value)
         self._wrapped = (raw, value)
         return value
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..._validation import TypeAndValueError, nearest_existing
 from ...monitor.schedule import Every
+from ...view.run import view_of
 from ..resume import build_checkpoint
 from ..serialization import remove_stale_temporaries, weights_finite, write_atomic
 from ._callback import ORDER_SAVE, CallbackParams, RunContext
@@ -88,9 +89,17 @@ class ModelCheckpoint(MonitorCallback):
         latest_ckpt_file_name: path of the newest file.
         best_ckpt_file_name: with ``save_best_only``, path of the best file.
 
-    ``prefix`` and ``directory`` may also be functions of cb_params (as in MindSpore, for names
-    per rank: ``prefix=lambda p: f"net_rank{p.rank_id}"``); they are called when training
-    starts.
+    ``prefix`` and ``directory`` may also be functions of cb_params, as in MindSpore: a
+    ``directory`` function gives the folder, a ``prefix`` function the whole file name (without
+    ``.pt``; MindSpore adds no ``-{epoch}_{step}`` to it either), e.g.
+    ``prefix=lambda p: f"net_rank{p.rank_id}-{p.cur_epoch_num}_{p.step_in_epoch}"``. They are
+    called when training starts and at each save; with a ``prefix`` function there is no
+    ``-last.pt`` link (``latest_ckpt_file_name`` names the newest file).
+
+    The hooks work on a cb_params built by hand too, as MindSpore's tests and users' own unit
+    tests drive a callback (``begin(rc)`` then ``step_end(rc)``): the step policy counts from
+    step 0, as in MindSpore, and a save due at an epoch's last step is written at once, since
+    no loop will call the epoch's end.
 
     Raises:
         TypeError: ``directory`` not a path, ``config`` not a CheckpointConfig.
@@ -161,29 +170,24 @@ class ModelCheckpoint(MonitorCallback):
 
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, run_context: RunContext) -> None:
-        if self._prefix_fn is not None:
-            self._prefix_requested = _check_prefix(self._prefix_fn(run_context.cb_params))
-        if self._directory_fn is not None:
-            found = self._directory_fn(run_context.cb_params)
-            if not isinstance(found, (str, os.PathLike)):
-                raise TypeError(
-                    f"ModelCheckpoint's 'directory' function returned {found!r}; it must "
-                    "return a folder path."
-                )
-            self.directory = Path(found)
-            _check_directory("directory", self.directory)
+        cb_params = run_context.cb_params
+        self._resolve_names(cb_params)
         # Distributed: rank 0 writes; the others keep the same state and write nothing.
-        self._writes = run_context.cb_params.rank_id == 0
+        self._writes = cb_params.rank_id == 0
         if self._writes:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.directory, self._prefix_requested)
-            self.prefix = self._free_prefix()
+            if self._prefix_fn is None:  # a function names each file itself (MindSpore)
+                self.prefix = self._free_prefix()
         self._saved = []
-        self._reset_monitor(run_context.cb_params)
-        self._last_save_step = run_context.original_args().cur_step_num
+        self._reset_monitor(cb_params)
+        # A trainer's run counts from its first step (a resumed run continues its grid); a
+        # cb_params built by hand from step 0, as MindSpore counts.
+        self._driven = view_of(cb_params).fed
+        self._last_save_step = cb_params.cur_step_num if self._driven else 0
         self._schedule.reset(self._last_save_step)
         self._pending_epoch_save = False
-        self._cb_params = run_context.original_args()
+        self._cb_params = cb_params
         if self.config.async_save and self._writer is None:
             self._writer = _AsyncWriter()
 
@@ -194,10 +198,11 @@ class ModelCheckpoint(MonitorCallback):
         step = cb_params.cur_step_num
         if not self._schedule.due(step):
             return
-        if cb_params.last_step_of_epoch:
+        last = cb_params.last_step_of_epoch
+        if last and self._driven_run(cb_params):
             self._pending_epoch_save = True  # the epoch end saves it, with the epoch's state
             return
-        self._save(cb_params, epoch_complete=False)
+        self._save(cb_params, epoch_complete=last)
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         cb_params = run_context.original_args()
@@ -240,6 +245,8 @@ class ModelCheckpoint(MonitorCallback):
                     append_info=self._append_info(p),
                 )
                 name = f"{self.prefix}-{state['epoch']}_{state['step_in_epoch']}_breakpoint.pt"
+                if self._prefix_fn is not None:
+                    name = f"{self.prefix}_breakpoint.pt"
                 path = write_atomic(state, self.directory / name)
                 logger.warning("training failed; breakpoint checkpoint saved to %s", path)
         finally:
@@ -247,6 +254,30 @@ class ModelCheckpoint(MonitorCallback):
 
     _cb_params: CallbackParams | None = None
     _writes = True
+    _driven: bool | None = None  # a trainer calls the hooks (None: not known before begin)
+
+    def _driven_run(self, cb_params: CallbackParams) -> bool:
+        """A trainer runs the hooks, so an epoch's end will come (not a cb_params built by
+        hand and driven by a test, which calls only the hooks it names)."""
+        if self._driven is None:
+            self._driven = view_of(cb_params).fed
+        return self._driven
+
+    def _resolve_names(self, cb_params: CallbackParams) -> None:
+        """Call the ``prefix`` / ``directory`` functions of cb_params, if given."""
+        if self._prefix_fn is not None:
+            self._prefix_requested = self.prefix = _check_prefix(self._prefix_fn(cb_params))
+        if self._directory_fn is not None:
+            found = self._directory_fn(cb_params)
+            if not isinstance(found, (str, os.PathLike)):
+                raise TypeError(
+                    f"ModelCheckpoint's 'directory' function returned {found!r}; it must "
+                    "return a folder path."
+                )
+            directory = Path(found)
+            if directory != self.directory:
+                _check_directory("directory", directory)
+                self.directory = directory
 
     # -- saving -------------------------------------------------------------------------------
     def _free_prefix(self) -> str:
@@ -284,7 +315,13 @@ class ModelCheckpoint(MonitorCallback):
                 stacklevel=2,
             )
             return None
-        name = f"{self.prefix}-{cb_params.cur_epoch_num}_{cb_params.step_in_epoch}.pt"
+        if self._prefix_fn is not None or self._directory_fn is not None:
+            self._resolve_names(cb_params)  # as MindSpore: names of this step's cb_params
+            self.directory.mkdir(parents=True, exist_ok=True)
+        if self._prefix_fn is not None:
+            name = f"{self.prefix}.pt"
+        else:
+            name = f"{self.prefix}-{cb_params.cur_epoch_num}_{cb_params.step_in_epoch}.pt"
         path = self.directory / name
         self._writing = name
         try:
@@ -312,7 +349,7 @@ class ModelCheckpoint(MonitorCallback):
             self._saved = [(p, t) for p, t in self._saved if p != path]
             self._saved.append((path, time.monotonic()))
             self._prune()
-            if self.config.save_last:
+            if self.config.save_last and self._prefix_fn is None:
                 self._link_last(path)
 
     def _prune(self) -> None:

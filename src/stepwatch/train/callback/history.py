@@ -107,7 +107,10 @@ class History(Callback):
             self._view.tap.cut()
         self._flush_steps()
         cb_params = run_context.cb_params
-        row: dict[str, Any] = {"net_output": _number(cb_params.net_outputs)}
+        net_output = cb_params.net_outputs
+        if isinstance(net_output, (tuple, list)):  # (loss, overflow, scale): MindSpore's first
+            net_output = net_output[0]
+        row: dict[str, Any] = {"net_output": _number(net_output)}
         for name, value in view_of(cb_params).epoch_values().items():
             row[name] = _number(value)
         done = len(self.epoch["epoch"])
