@@ -354,3 +354,91 @@ def test_a_bfloat16_or_multi_value_net_outputs_prints_too() -> None:
     grid = torch.arange(4.0).reshape(2, 2).as_subclass(Tensor)
     assert f"{grid}" == str(grid) == str(grid.asnumpy())  # NumPy's layout, as MindSpore's
     assert repr(grid) == f"Tensor(shape=[2, 2], dtype=Float32, value= {grid.asnumpy()})"
+
+
+# -- eval_indexes: an eval network of MindSpore's kind -------------------------------------
+class WithEvalCell(torch.nn.Module):
+    """MindSpore's nn.WithEvalCell: (data, label) -> (loss, outputs, label)."""
+
+    def __init__(self, network: torch.nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        self._network, self._loss_fn = network, loss_fn
+
+    def forward(self, data: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self._network(data)
+        return self._loss_fn(outputs, label), outputs, label
+
+
+class LabelFirst(WithEvalCell):
+    """Another order, and a fourth output: (label, outputs, per-sample loss, argmax)."""
+
+    def forward(self, data: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = self._network(data)
+        losses = torch.nn.functional.cross_entropy(outputs, label, reduction="none")
+        return label, outputs, losses, outputs.argmax(1)
+
+
+def test_eval_indexes_pick_loss_prediction_and_label_of_the_eval_network() -> None:
+    from stepwatch import Model
+
+    trained = make_model(metrics={"accuracy", "loss"})
+    trained.train(2, make_batches(4))
+    net, loss_fn = trained.train_network, torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    batches = make_batches(3, seed=1)
+    expected = trained.eval(batches)
+    metrics = {"accuracy", "loss"}
+    as_mindspore = Model(net, loss_fn, opt, metrics, WithEvalCell(net, loss_fn), [0, 1, 2])
+    assert as_mindspore.eval(batches) == pytest.approx(expected)
+    seen: list[Any] = []
+    record = Callback()
+    record.on_eval_step_end = lambda rc: seen.append(rc.original_args().net_outputs)  # type: ignore[method-assign]
+    other = Model(net, None, opt, metrics, LabelFirst(net, loss_fn), eval_indexes=[2, 1, 0])
+    assert other.eval(batches, callbacks=[record]) == pytest.approx(expected)
+    assert len(seen) == 3 and all(len(outputs) == 4 for outputs in seen)  # the whole output
+    assert other.predict(batches[0][0]).shape == (8, 3)  # predict uses the network
+    fitter = Model(net, loss_fn, opt, metrics, LabelFirst(net, loss_fn), eval_indexes=[2, 1, 0])
+    history = fitter.fit(1, batches, batches)
+    assert history.history["eval_loss"][0] == pytest.approx(
+        fitter.eval(batches)["loss"]  # the eval network's loss, as the 'loss' metric has it
+    )
+
+
+@pytest.mark.parametrize(
+    ("eval_indexes", "exc", "match"),
+    [
+        ((0, 1), ValueError, r"must have three items .* but got \[0, 1\]"),
+        ("012", TypeError, r"must be a list of three ints .* but got '012' with type 'str'"),
+        ([0, 1.0, 2], TypeError, r"'eval_indexes\[1\]' must be an int .* got 1.0"),
+        ([0, True, 2], TypeError, r"'eval_indexes\[1\]' must be an int"),
+    ],
+)
+def test_bad_eval_indexes_are_refused_at_the_door(
+    eval_indexes: Any, exc: type[Exception], match: str
+) -> None:
+    net = torch.nn.Linear(4, 3)
+    with pytest.raises(exc, match=match) as info:
+        make_model(
+            metrics={"accuracy"}, eval_network=WithEvalCell(net, None), eval_indexes=eval_indexes
+        )
+    assert isinstance(info.value, ValueError)  # MindSpore's type, for code that catches it
+
+
+def test_eval_indexes_without_an_eval_network_and_outputs_that_do_not_fit() -> None:
+    # [0, 1, 2] is what the evaluation built from network and loss_fn gives: accepted.
+    model = make_model(metrics={"accuracy"}, eval_indexes=[0, 1, 2])
+    assert set(model.eval(make_batches(2))) == {"accuracy"}
+    with pytest.raises(ValueError, match=r"picks outputs of 'eval_network', but none was given"):
+        make_model(metrics={"accuracy"}, eval_indexes=[2, 1, 0])
+    net, loss_fn = torch.nn.Linear(4, 3), torch.nn.CrossEntropyLoss()
+    short = make_model(metrics={"accuracy"}, eval_network=WithEvalCell(net, loss_fn),
+                       eval_indexes=[0, 1, 5])  # fmt: skip
+    with pytest.raises(ValueError, match=r"'eval_indexes\[2\]' is 5, but eval_network returns 3"):
+        short.eval(make_batches(2))
+    bare = make_model(metrics={"accuracy"}, eval_network=net, eval_indexes=[0, 1, 2])
+    with pytest.raises(TypeError, match=r"called with the whole batch.*Linear\(2 columns\)"):
+        bare.eval(make_batches(2))
+    alone = torch.nn.Bilinear(4, 1, 1)  # takes (data, label), returns one tensor
+    one = make_model(metrics={"mse"}, eval_network=alone, eval_indexes=[0, 1, 2])
+    with pytest.raises(ValueError, match="must return a tuple of at least three outputs"):
+        one.eval([(x, y[:, None].float()) for x, y in make_batches(2)])

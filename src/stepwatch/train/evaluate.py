@@ -10,6 +10,7 @@ import torch
 from ..dataset import check_batch, dataset_size, feed, move
 from ..monitor import values as names
 from .callback._callback import CallbackList, CallbackParams, RunContext
+from .eval_indexes import called_with, eval_inputs, pick_outputs
 from .parallel import reduce_epoch
 from .parts import LOSS_CHUNK, Parts, evaluate_metric, fold_losses
 from .step import cast_floats
@@ -53,6 +54,7 @@ def eval_pass(
     """
     network = parts.eval_network
     loss_fn, device = parts.loss_fn, parts.device
+    indexes = parts.eval_indexes
     amp = parts.step.autocast(device)
     cast = parts.step.precision.dtype if parts.step.precision.cast_network else None
     cb_params.mode = "eval"
@@ -79,17 +81,30 @@ def eval_pass(
                 cb_params.eval_dataset_element = batch
                 if step_begin:
                     call("on_eval_step_begin", run_context)
-                try:
-                    data, label = batch
-                except (TypeError, ValueError):
-                    check_batch(batch, "valid_dataset", loss_fn is not None)
-                    raise
-                data, label = move(data, device), move(label, device)
-                if cast is not None:
-                    data = cast_floats(data, cast)
-                with amp:
-                    outputs = feed(network, data)
-                    loss = loss_fn(outputs, label) if loss_fn is not None else None
+                if indexes is None:
+                    try:
+                        data, label = batch
+                    except (TypeError, ValueError):
+                        check_batch(batch, "valid_dataset", loss_fn is not None)
+                        raise
+                    data, label = move(data, device), move(label, device)
+                    if cast is not None:
+                        data = cast_floats(data, cast)
+                    with amp:
+                        outputs = feed(network, data)
+                        loss = loss_fn(outputs, label) if loss_fn is not None else None
+                else:  # MindSpore's eval network: the whole batch in, a tuple out
+                    inputs = move(eval_inputs(batch), device)
+                    if cast is not None:
+                        inputs = cast_floats(inputs, cast)
+                    with amp:
+                        try:
+                            returned = network(*inputs)
+                        except TypeError as exc:
+                            exc.add_note(called_with(network, inputs))
+                            raise
+                    loss, outputs, label = pick_outputs(returned, indexes)
+                    cb_params._eval_returned = returned
                 for metric in metric_items:
                     if getattr(metric, "uses_loss", False):
                         if loss is not None:
@@ -112,7 +127,7 @@ def eval_pass(
         if cb_params.device_number > 1:
             # One collective: the loss, the step count and the metrics' states of all ranks.
             summed, steps = reduce_epoch(total, steps, metric_items)
-            loss_sum = summed if loss_fn is not None and steps else None
+            loss_sum = summed if (loss_fn is not None or indexes is not None) and steps else None
         metrics = {name: evaluate_metric(name, m) for name, m in parts.metrics.items()}
         results = dict(metrics)
         cb_params.metrics = metrics  # from here on the values, as MindSpore has them
@@ -127,5 +142,5 @@ def eval_pass(
         call("on_eval_end", run_context)
     finally:
         network.train(was_training)
-        cb_params._eval_label = None  # no label kept alive after the pass
+        cb_params._eval_label = cb_params._eval_returned = None  # nothing kept after the pass
     return metrics, results

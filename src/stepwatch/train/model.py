@@ -26,6 +26,7 @@ from .checks import (
     is_dataset,
     resolve_device,
 )
+from .eval_indexes import check_eval_indexes
 from .evaluate import eval_pass
 from .loop import run
 from .metrics import build_metrics
@@ -48,6 +49,11 @@ class Model:
             ``eval``, by validation in ``fit``, and reported per epoch on the training batches.
         eval_network: the module used for evaluation (default: ``network``); it must return
             predictions. Needed for evaluation when ``loss_fn`` is None.
+        eval_indexes: MindSpore's ``[i_loss, i_pred, i_label]``: ``eval_network`` is then of
+            MindSpore's kind - it takes the whole batch (``eval_network(*batch)``) and returns
+            a tuple - and these are the positions of the loss, the prediction and the label
+            in it. The loss feeds the ``'loss'`` metric and ``eval_loss``, the prediction and
+            the label the other metrics; ``cb_params.net_outputs`` is the whole tuple.
         device: where to train; ``None`` picks CUDA when available, else the CPU. The networks
             are moved there and each batch is copied there with ``non_blocking=True``.
         amp_level: MindSpore's mixed precision level: ``'O0'`` (float32), ``'O1'`` (autocast),
@@ -73,7 +79,9 @@ class Model:
 
     Raises:
         TypeError: an argument has the wrong type (a class instead of an instance too).
-        ValueError: an unknown metric name or a metric named like a cb_params field.
+        ValueError: an unknown metric name or a metric named like a cb_params field;
+            ``eval_indexes`` not three ints, or given without ``eval_network`` (other than
+            ``[0, 1, 2]``, what the evaluation built from ``network`` and ``loss_fn`` gives).
 
     Example:
         >>> model = Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1),
@@ -90,6 +98,7 @@ class Model:
         optimizer: torch.optim.Optimizer | None = None,
         metrics: Any = None,
         eval_network: nn.Module | None = None,
+        eval_indexes: list[int] | None = None,
         device: str | torch.device | None = None,
         *,
         amp_level: str = "O0",
@@ -126,6 +135,7 @@ class Model:
                 f"'eval_network' must be a torch.nn.Module or None, but got {eval_network!r} "
                 f"with type '{type(eval_network).__name__}'."
             )
+        self._eval_indexes = check_eval_indexes(eval_indexes, eval_network)
         self._device = resolve_device(device)
         self._metric_fns = build_metrics(metrics)
         clash = sorted(set(self._metric_fns) & RESERVED)
@@ -171,6 +181,7 @@ class Model:
             eval_network=self.eval_network,
             train_metrics=train_metric_fns,
             step=step,
+            eval_indexes=self._eval_indexes,
         )
 
     # -- public properties ----------------------------------------------------------------
@@ -235,6 +246,8 @@ class Model:
                 else "Model.eval() needs metrics: create the Model with metrics={'accuracy'} "
                 "(or other metric names/objects)."
             )
+        if self._eval_indexes is not None:
+            return  # the eval network gives the loss, the prediction and the label
         if self._loss_fn is None and any(
             getattr(m, "uses_loss", False) for m in self._metric_fns.values()
         ):
@@ -378,16 +391,17 @@ class Model:
         cb_list = CallbackList(normalize_callbacks(callbacks), rank)
         self._check_eval_ready("eval")
         batch_num = dataset_size(valid_dataset, "valid_dataset")
-        check_first_batch(valid_dataset, "valid_dataset", self._loss_fn is not None)
-        check_first_forward(
-            self.eval_network,
-            self._loss_fn,
-            self._metric_fns,
-            valid_dataset,
-            self._device,
-            self._parts.step,
-            "valid_dataset",
-        )
+        if self._eval_indexes is None:  # else the eval network takes batches of its own shape
+            check_first_batch(valid_dataset, "valid_dataset", self._loss_fn is not None)
+            check_first_forward(
+                self.eval_network,
+                self._loss_fn,
+                self._metric_fns,
+                valid_dataset,
+                self._device,
+                self._parts.step,
+                "valid_dataset",
+            )
         cb_params = new_cb_params(self._parts, cb_list, rank, world)
         cb_params.cur_epoch_num = 1
         cb_params.epoch_num = 1
@@ -422,7 +436,9 @@ class Model:
         feeds every batch (the data column of ``(data, label)`` batches) and returns the
         outputs concatenated along the first dimension.
         """
-        net = self.eval_network
+        # With eval_indexes the eval network takes whole batches: predict with the network,
+        # as MindSpore does.
+        net = self._network if self._eval_indexes is not None else self.eval_network
         was_training = net.training
         net.eval()
         try:

@@ -46,6 +46,9 @@ class Parts:
     step: StepOptions = field(default_factory=StepOptions)
     # In a distributed run: the DistributedDataParallel wrapper that does forward and backward.
     ddp: Any = None
+    # MindSpore's eval_indexes: where the loss, prediction and label are in the eval network's
+    # outputs (it then takes the whole batch); None: eval_network maps data to predictions.
+    eval_indexes: tuple[int, int, int] | None = None
 
     @property
     def lr_scheduler(self) -> Any:
