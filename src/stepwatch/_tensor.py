@@ -44,6 +44,40 @@ class Tensor(torch.Tensor):
     # Results of operations are plain tensors: no per-op subclass dispatch cost.
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
+    @staticmethod
+    def __new__(cls, input_data: Any = None, dtype: Any = None) -> Tensor:
+        """``Tensor(2.0)``, ``Tensor(np.ones(3))``, ``Tensor([1, 2], dtype=torch.int32)``: a
+        tensor of the data, as MindSpore's ``Tensor(input_data, dtype=None)`` builds it (a
+        Python float becomes float32, an int int64, an array keeps its dtype).
+
+        Raises:
+            TypeError: ``input_data`` None, or ``dtype`` neither a torch nor a NumPy dtype.
+        """
+        if input_data is None:
+            raise TypeError(
+                "Tensor() needs its data: Tensor(2.0), Tensor(np.ones(3)), Tensor([1, 2])."
+            )
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            try:
+                dtype = torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+            except TypeError:
+                raise TypeError(
+                    f"Tensor's 'dtype' must be a torch or NumPy dtype (torch.float32, "
+                    f"np.float32, 'float32'), but got {dtype!r}."
+                ) from None
+        data = torch.as_tensor(input_data, dtype=dtype)
+        if data.requires_grad or data is input_data:
+            data = data.detach()
+        return data.as_subclass(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass  # __new__ built it
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        copied = torch.Tensor.clone(torch.Tensor.detach(self)).as_subclass(type(self))
+        memo[id(self)] = copied
+        return copied
+
     def asnumpy(self) -> np.ndarray:
         """Return the value as a NumPy array (copied to the host if needed)."""
         return torch.Tensor.detach(self).cpu().numpy()
