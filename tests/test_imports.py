@@ -71,7 +71,16 @@ PACKAGE_ALL = [
     "set_context",
     "watch",
 ]
-PACKAGE_SUBMODULES = {"amp", "context", "dataset", "distributed", "monitor", "store", "train", "view"}
+PACKAGE_SUBMODULES = {
+    "amp",
+    "context",
+    "dataset",
+    "distributed",
+    "monitor",
+    "store",
+    "train",
+    "view",
+}
 
 
 def _python(code: str, timeout: float = 60) -> str:

@@ -138,7 +138,9 @@ def test_set_context_maps_the_device_and_notes_what_does_nothing(
     net = nn.Linear(4, 3)
     model = stepwatch.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), 0.1))
     assert model.device == torch.device("cpu")  # set_context chose it
-    with pytest.warns(UserWarning, match=r"set_context\(max_call_depth=..., save_graphs=...\): no PyTorch meaning"):
+    with pytest.warns(
+        UserWarning, match=r"set_context\(max_call_depth=..., save_graphs=...\): no PyTorch meaning"
+    ):
         context.set_context(save_graphs=True, max_call_depth=2000)
     assert context.get_context("save_graphs") is True
     with pytest.warns(UserWarning, match="set_auto_parallel_context.* is kept but not applied"):
@@ -248,12 +250,10 @@ def test_net_outputs_under_loss_scaling_index_as_mindsporess_tuple(
 @pytest.mark.filterwarnings("ignore:.*needs no loss:UserWarning")
 def test_a_scale_that_never_skips_gives_the_loss_alone_as_mindspore() -> None:
     seen: list[Any] = []
-    model, batches = _regression(
-        stepwatch.FixedLossScaleManager(128, drop_overflow_update=False)
+    model, batches = _regression(stepwatch.FixedLossScaleManager(128, drop_overflow_update=False))
+    keep = stepwatch.LambdaCallback(
+        on_train_step_end=lambda rc: seen.append(rc.original_args().net_outputs)
     )
-    model.train(
-        1, batches, callbacks=[stepwatch.LambdaCallback(on_train_step_end=lambda rc: seen.append(
-            rc.original_args().net_outputs))]  # fmt: skip
-    )
+    model.train(1, batches, callbacks=[keep])
     assert all(isinstance(v, stepwatch.Tensor) and v.dim() == 0 for v in seen)
     assert np.isfinite([float(v) for v in seen]).all()

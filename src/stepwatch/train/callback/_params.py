@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..._tensor import as_stepwatch_tensor
-from ..step import loss_scale_outputs
 from ...view.run import view_of
+from ..step import loss_scale_outputs
 
 __all__ = ["CallbackParams", "Progress"]
 
