@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "stepwatch.dataset",
         "stepwatch.distributed",
+        "stepwatch.context",
         "stepwatch.store._schema",
         "stepwatch.store._runs",
         "stepwatch.store.base",
@@ -36,7 +37,12 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.plotting",
         "stepwatch.dashboard.*",
     ),
-    ("stepwatch.train.metrics", "stepwatch.train.serialization", "stepwatch.train.step"),
+    (
+        "stepwatch.train.metrics",
+        "stepwatch.train.serialization",
+        "stepwatch.train.step",
+        "stepwatch.train.eval_indexes",
+    ),
     ("stepwatch.train.state",),
     ("stepwatch.train.resume", "stepwatch.train.checks"),
     ("stepwatch.view.*",),

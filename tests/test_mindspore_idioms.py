@@ -257,3 +257,15 @@ def test_a_scale_that_never_skips_gives_the_loss_alone_as_mindspore() -> None:
     model.train(1, batches, callbacks=[keep])
     assert all(isinstance(v, stepwatch.Tensor) and v.dim() == 0 for v in seen)
     assert np.isfinite([float(v) for v in seen]).all()
+
+
+def test_net_outputs_stay_the_loss_in_another_trainers_run() -> None:
+    # MindSpore's tuple is its Model's; through a bridge (Lightning's or the Trainer's scaler)
+    # and on a cb_params built by hand the loss stays the loss.
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.tensor(1.0))  # the scaler's state, as after a step
+    rc = stepwatch.RunContext(
+        {"cur_step_num": 1, "net_outputs": torch.tensor(0.5), "loss_scaler": scaler}
+    )
+    assert isinstance(rc.cb_params.net_outputs, stepwatch.Tensor)
+    assert float(rc.cb_params.net_outputs) == 0.5

@@ -313,48 +313,6 @@ def scale_tensor(scaler: Any) -> Any:
     return scaler.get_scale()
 
 
-def loss_scale_outputs(cb_params: Any, loss: Any) -> Any:
-    """``cb_params.net_outputs`` under loss scaling: ``(loss, overflow, scale)`` where MindSpore's
-    train network is ``TrainOneStepWithLossScaleCell`` (a scale manager that skips overflowed
-    steps: ``DynamicLossScaleManager``, ``FixedLossScaleManager(drop_overflow_update=True)``),
-    else the loss alone (``drop_overflow_update=False``: MindSpore's ``TrainOneStepCell``).
-
-    Computed when a callback reads ``net_outputs``, from what the step left: ``overflow`` (a
-    bool tensor) is True when this step's optimizer update was skipped because a gradient
-    overflowed, ``scale`` (a float32 tensor) the loss scale after the step. Reading them waits
-    for the device, as indexing MindSpore's tuple does.
-    """
-    from .._tensor import as_stepwatch_tensor
-
-    scaler = cb_params.__dict__.get("loss_scaler")
-    tracker = getattr(scaler, "_growth_tracker", None)
-    if not isinstance(scaler, torch.amp.GradScaler) or not isinstance(tracker, torch.Tensor):
-        return loss
-    overflow = torch.zeros((), dtype=torch.bool, device=tracker.device)
-    # The tracker counts good steps since the scale last changed: 0 after an overflow (and,
-    # for a scale that grows, right after it grew, when the gradients are finite).
-    if cb_params.get("optimizer_stepped", True) and int(tracker) == 0:
-        if scaler.get_growth_interval() >= 2**31 - 1:  # a fixed scale never grows
-            overflow = torch.ones((), dtype=torch.bool, device=tracker.device)
-        else:
-            grads = [
-                p.grad
-                for group in getattr(cb_params.get("optimizer"), "param_groups", ())
-                for p in group["params"]
-                if p.grad is not None
-            ]
-            if grads:
-                norms = torch._foreach_norm(grads)
-                overflow = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
-    scale = scale_tensor(scaler)
-    scale = (
-        scale.reshape(()).float()
-        if isinstance(scale, torch.Tensor)
-        else torch.tensor(float(scale), dtype=torch.float32)
-    )
-    return (loss, as_stepwatch_tensor(overflow), as_stepwatch_tensor(scale))
-
-
 def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
     """Floating-point tensors (in tuples, lists and dicts too) cast to ``dtype``."""
     if isinstance(obj, torch.Tensor):

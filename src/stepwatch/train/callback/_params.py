@@ -7,9 +7,11 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..._tensor import as_stepwatch_tensor
 from ...view.run import view_of
-from ..step import loss_scale_outputs
+from ..step import scale_tensor
 
 __all__ = ["CallbackParams", "Progress"]
 
@@ -175,7 +177,7 @@ class CallbackParams:
                 # MindSpore's eval network (WithEvalCell) returns (loss, outputs, label)
                 value = (value, as_stepwatch_tensor(self.outputs), label)
         elif raw is self.loss_tensor and self.__dict__.get("loss_scaler") is not None:
-            value = loss_scale_outputs(self, value)
+            value = _loss_scale_outputs(self, value)
         self._wrapped = (raw, value)
         return value
 
@@ -328,3 +330,47 @@ class CallbackParams:
 
     def __repr__(self) -> str:
         return f"CallbackParams({', '.join(sorted(self.keys()))})"
+
+
+def _loss_scale_outputs(cb_params: Any, loss: Any) -> Any:
+    """``cb_params.net_outputs`` of ``Model`` under loss scaling: ``(loss, overflow, scale)``
+    where MindSpore's train network is ``TrainOneStepWithLossScaleCell`` (a scale manager that
+    skips overflowed steps: ``DynamicLossScaleManager``,
+    ``FixedLossScaleManager(drop_overflow_update=True)``), else the loss alone
+    (``drop_overflow_update=False``: MindSpore's ``TrainOneStepCell``; and in another
+    trainer's run, through a bridge).
+
+    Computed when a callback reads ``net_outputs``, from what the step left: ``overflow`` (a
+    bool tensor) is True when this step's optimizer update was skipped because a gradient
+    overflowed, ``scale`` (a float32 tensor) the loss scale after the step. Reading them waits
+    for the device, as indexing MindSpore's tuple does.
+    """
+    scaler = cb_params.__dict__.get("loss_scaler")
+    tracker = getattr(scaler, "_growth_tracker", None)
+    if not isinstance(scaler, torch.amp.GradScaler) or not isinstance(tracker, torch.Tensor):
+        return loss
+    if view_of(cb_params).host != "stepwatch":
+        return loss  # MindSpore's shape is its Model's; another trainer's loss stays the loss
+    overflow = torch.zeros((), dtype=torch.bool, device=tracker.device)
+    # The tracker counts good steps since the scale last changed: 0 after an overflow (and,
+    # for a scale that grows, right after it grew, when the gradients are finite).
+    if cb_params.get("optimizer_stepped", True) and int(tracker) == 0:
+        if scaler.get_growth_interval() >= 2**31 - 1:  # a fixed scale never grows
+            overflow = torch.ones((), dtype=torch.bool, device=tracker.device)
+        else:
+            grads = [
+                p.grad
+                for group in getattr(cb_params.get("optimizer"), "param_groups", ())
+                for p in group["params"]
+                if p.grad is not None
+            ]
+            if grads:
+                norms = torch._foreach_norm(grads)
+                overflow = ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+    scale = scale_tensor(scaler)
+    scale = (
+        scale.reshape(()).float()
+        if isinstance(scale, torch.Tensor)
+        else torch.tensor(float(scale), dtype=torch.float32)
+    )
+    return (loss, as_stepwatch_tensor(overflow), as_stepwatch_tensor(scale))
