@@ -442,3 +442,46 @@ def test_eval_indexes_without_an_eval_network_and_outputs_that_do_not_fit() -> N
     one = make_model(metrics={"mse"}, eval_network=alone, eval_indexes=[0, 1, 2])
     with pytest.raises(ValueError, match="must return a tuple of at least three outputs"):
         one.eval([(x, y[:, None].float()) for x, y in make_batches(2)])
+
+
+def test_every_builtin_runs_its_hooks_on_a_bare_cb_params(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    import stepwatch as sw
+
+    monkeypatch.chdir(tmp_path)
+    builtins = [
+        sw.LossMonitor(1),
+        sw.TimeMonitor(),
+        sw.History(),
+        sw.ModelCheckpoint("m", tmp_path / "ck"),
+        sw.EarlyStopping("loss"),
+        sw.ReduceLROnPlateau("loss"),
+        sw.OnRequestExit(directory=tmp_path / "exit"),
+        sw.BackupAndRestore(tmp_path / "backup"),
+        sw.TerminateOnNaN(),
+        sw.LearningRateScheduler(lambda lr, step: lr),
+        sw.ProgressBar(),
+        sw.AnomalyMonitor(),
+        sw.RunRecorder(db=tmp_path / "runs.db"),
+        sw.PlotMonitor(tmp_path / "curves.png"),
+    ]
+    net = torch.nn.Linear(4, 3)
+    try:
+        for cb in builtins:  # MindSpore's unit-test fields only: no optimizer, no device
+            rc = _hand_made(train_network=net, epoch_num=10, cur_epoch_num=4, cur_step_num=128,
+                            batch_num=32, net_outputs=sw.Tensor(2.0))  # fmt: skip
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # e.g. ProgressBar's "no terminal"
+                with cb:
+                    for hook in ("begin", "epoch_begin", "step_begin", "step_end", "epoch_end"):
+                        getattr(cb, hook)(rc)
+                    cb.end(rc)
+    finally:
+        builtins[6].restore_handlers()  # type: ignore[attr-defined]
+    assert "epoch: 4 step: 32, loss is 2.0" in capsys.readouterr().out
+    assert (tmp_path / "ck" / "m-4_32.pt").is_file()
+    assert builtins[2].epoch == {"epoch": [4]}  # type: ignore[attr-defined]
+    assert [run.name for run in sw.Store(tmp_path / "runs.db").runs()] != []

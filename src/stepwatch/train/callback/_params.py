@@ -51,6 +51,7 @@ _DEFAULTS: dict[str, Any] = {
     "list_callback": (),
     "step_time": 0.0,
     "optimizer_stepped": True,
+    "optimizer": None,
     "grad_norm": None,
 }
 
@@ -64,7 +65,7 @@ class CallbackParams:
     ``AttributeError``, so ``getattr(cb_params, "accuracy", None)`` returns ``None``; the
     fields every run has read as MindSpore's defaults when a cb_params built by hand lacks them
     (``rank_id`` 0, ``device_number`` 1, ``initial_step`` 0, ``train_results`` ``{}``,
-    ``mode`` ``'train'``, ...).
+    ``mode`` ``'train'``, ``optimizer`` None, ``device`` where the network's weights are, ...).
 
     Fields computed when read, so that nothing syncs with the device unless a callback asks:
 
@@ -288,6 +289,11 @@ class CallbackParams:
             return dict(default) if isinstance(default, dict) else default
         if name == "network" and "train_network" in self.__dict__:
             return self.__dict__["train_network"]  # MindSpore's cb_params name it so
+        if name == "device":  # where the network's weights are (MindSpore has no such field)
+            net = self.__dict__.get("train_network", self.__dict__.get("network"))
+            weights = net.parameters() if isinstance(net, torch.nn.Module) else iter(())
+            first = next(weights, None)
+            return first.device if first is not None else torch.device("cpu")
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(
