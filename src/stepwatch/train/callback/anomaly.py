@@ -85,10 +85,15 @@ class AnomalyMonitor(Callback):
     ``dying_relu``, ``saturation`` (on the sampled steps' gradients and activations),
     ``worse_than_chance``, ``overfitting`` and ``threshold`` (on the epoch values).
 
-    In a distributed run every rank watches the mean loss over the ranks (one all_reduce per
-    transfer, every 8 steps) and the gradients (the same on every rank after DDP's
-    all-reduce), so every rank raises the same alerts at the same step and takes the same
-    action; rank 0 alone logs, records and writes snapshots.
+    In a distributed run every rank watches the mean loss over the ranks and the gradient
+    statistics of the full model: under DDP, and under FSDP2 (``fully_shard``, where each
+    rank holds shards of the gradients) the per-layer norms are those of the full tensors and
+    the global norm is ``clip_grad_norm_``'s. Both are summed over the ranks in ONE all_reduce
+    per look (every 8 steps, and at a gradient measurement between them); a step with nothing
+    to read issues none. A NaN or inf on any rank is one in the sum, so every rank sees the
+    same numbers, raises the same alerts at the same step and takes the same action (a
+    rollback restores each rank's own state, shards included); rank 0 alone logs, records
+    and writes snapshots.
 
     Each alert is an :class:`~stepwatch.monitor.detectors.Alert` (``step`` is the step where
     the anomaly happened, even when it is read a few steps later). It is appended to
