@@ -171,6 +171,7 @@ def scenario_raise(out: Path, rank: int) -> dict[str, Any]:
     class Boom(Callback):
         def on_train_step_begin(self, run_context: Any) -> None:
             if rank == 1 and run_context.cb_params.cur_step_num == 3:
+                (out / "raised").write_text(str(time.time()))
                 raise RuntimeError("rank 1 fails on purpose")
 
     x, y = make_data()
