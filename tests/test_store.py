@@ -475,32 +475,3 @@ def test_sigterm_flushes_the_recorder_before_the_process_dies(tmp_path: Path) ->
         assert run.status == "interrupted"
         assert store.metrics(run.id, "step_loss")[0].tolist() == list(range(1, 14))
         assert any("SIGTERM" in e["message"] for e in store.events(run.id))
-
-
-def test_a_continued_run_is_running_again_and_keeps_what_it_had(tmp_path: Path) -> None:
-    db = tmp_path / "runs.db"
-    first = RunWriter(db, name="job", config={"lr": 0.1})
-    run = first.run_id
-    assert run is not None
-    for step in range(1, 6):
-        first.log("loss", float(step), step)
-    first.event("note", "first attempt")
-    first.close("failed")
-    again = RunWriter(db, name="ignored", config={"lr": 9}, continue_run=run)
-    assert again.run_id == run and again.name == "job"
-    with Store(db) as store:
-        assert store.run(run).stored_status == "running"
-    for step in range(6, 9):
-        again.log("loss", float(step), step)
-    again.event("restart", "second attempt")
-    again.close("finished")
-    with Store(db) as store:
-        [info] = store.runs()
-        assert info.status == "finished" and info.ended is not None
-        assert info.config == {"lr": 0.1}
-        assert store.metrics(run, "loss")[0].tolist() == list(range(1, 9))
-        assert [e["message"] for e in store.events(run)] == ["first attempt", "second attempt"]
-    with pytest.raises(ValueError, match="no run 7 to continue"):
-        RunWriter(db, continue_run=7)
-    with pytest.raises(ValueError, match="continue_run"):
-        RunWriter(db, continue_run=0)

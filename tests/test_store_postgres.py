@@ -526,25 +526,3 @@ def test_push_to_a_team_store_that_refuses_names_to(
     assert done.returncode == 2 and "password authentication failed" in done.stderr
     assert "push: --to 'postgresql://stepwatch:***@" in done.stderr and "--db" not in done.stderr
     assert pg_cluster.password not in done.stderr
-
-
-def test_a_continued_run_keeps_its_points_and_events_and_adds_new_ones(pg_url: str) -> None:
-    first = RunWriter(pg_url, name="job", config={"lr": 0.1})
-    run = first.run_id
-    for step in range(1, 6):
-        first.log("loss", float(step), step)
-    first.event("note", "first attempt")
-    first.close("failed")
-    again = RunWriter(pg_url, name="ignored", continue_run=run)
-    assert again.run_id == run and again.name == "job"
-    again.event("restart", "second attempt")
-    for step in range(4, 9):  # 4 and 5 again: the first attempt's values stay
-        again.log("loss", 10.0 * step, step)
-    again.close("finished")
-    with Store(pg_url) as store:
-        info = store.run(run)
-        assert info.status == "finished" and info.config == {"lr": 0.1}
-        steps, values = store.metrics(run, "loss")
-        assert steps.tolist() == list(range(1, 9))
-        assert values.tolist() == [1, 2, 3, 4, 5, 60, 70, 80]
-        assert [e["message"] for e in store.events(run)] == ["first attempt", "second attempt"]
