@@ -171,6 +171,7 @@ def scenario_raise(out: Path, rank: int) -> dict[str, Any]:
     class Boom(Callback):
         def on_train_step_begin(self, run_context: Any) -> None:
             if rank == 1 and run_context.cb_params.cur_step_num == 3:
+                (out / "raised").write_text(str(time.time()))
                 raise RuntimeError("rank 1 fails on purpose")
 
     x, y = make_data()
@@ -226,6 +227,65 @@ def scenario_frozen(out: Path, rank: int) -> dict[str, Any]:
     return {"alerts": _alerts(monitor)}
 
 
+def make_sharded(mesh: Any = None, seed: int = 0) -> nn.Module:
+    """A 16 -> 64 -> 1 MLP sharded per layer with FSDP2 (``mesh``: a 2-D mesh for HSDP)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    for layer in (net[0], net[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def _sharded_loop(net: nn.Module, rank: int, callbacks: list[Any], steps: int, hook: Any) -> None:
+    """``steps`` SGD steps of ``net`` on this rank's batches, watched by ``callbacks``;
+    ``hook(step)`` runs after each optimizer step."""
+    import stepwatch
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    with stepwatch.watch(net, opt, callbacks, steps_per_epoch=steps) as run:
+        for step in range(1, steps + 1):
+            x = torch.randn(8, 16, generator=gen)
+            y = x[:, :1] * 0.5
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            hook(step)
+            run.step(loss)
+
+
+def scenario_sharded(out: Path, rank: int) -> dict[str, Any]:
+    """DistributedMonitor on FSDP2-sharded networks: a healthy run (no alert: the shards
+    differ by nature), then HSDP (replicate x shard) with rank 1's copy knocked out of step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from stepwatch import DistributedMonitor, RunRecorder
+
+    result: dict[str, Any] = {}
+    monitor = DistributedMonitor(every_n_steps=4, frozen_seconds=None)
+    recorder = RunRecorder(db=out / "sharded.db", run_name="sharded")
+    _sharded_loop(make_sharded(), rank, [monitor, recorder], 16, lambda step: None)
+    result["fsdp"] = {"alerts": _alerts(monitor), "last": monitor.last}
+
+    def knock(step: int) -> None:
+        if rank == 1 and step == 2:
+            with torch.no_grad():
+                next(net.parameters()).to_local().add_(0.5)
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    net = make_sharded(mesh)
+    healthy = DistributedMonitor(every_n_steps=4, frozen_seconds=None)
+    _sharded_loop(make_sharded(mesh), rank, [healthy], 8, lambda step: None)
+    knocked = DistributedMonitor(every_n_steps=4, frozen_seconds=None)
+    _sharded_loop(net, rank, [knocked], 8, knock)
+    result["hsdp"] = {"healthy": _alerts(healthy), "knocked": _alerts(knocked)}
+    return result
+
+
 def main() -> int:
     from stepwatch.distributed import shutdown
 
@@ -238,6 +298,7 @@ def main() -> int:
             "raise": scenario_raise,
             "anomaly": scenario_anomaly,
             "frozen": scenario_frozen,
+            "sharded": scenario_sharded,
         }
         result = scenarios[scenario](out, rank)
         (out / f"rank{rank}.json").write_text(json.dumps(result))

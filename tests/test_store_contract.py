@@ -127,6 +127,33 @@ def test_a_run_being_recorded_is_running_and_read_live(where: str) -> None:
         writer.close()
 
 
+def test_a_continued_run_is_running_again_and_keeps_what_it_had(where: str) -> None:
+    first = RunWriter(where, name="job", config={"lr": 0.1})
+    run = first.run_id
+    assert run is not None
+    first.log_batch("loss", range(1, 6), np.arange(1.0, 6.0), epoch=1)
+    first.event("note", "first attempt")
+    first.close("failed")
+    again = RunWriter(where, name="ignored", config={"lr": 9}, continue_run=run)
+    assert again.run_id == run and again.name == "job"
+    with Store(where) as store:
+        assert store.run(run).stored_status == "running"
+    again.event("restart", "second attempt")
+    again.log_batch("loss", range(6, 9), np.arange(6.0, 9.0), epoch=2)
+    again.close("finished")
+    with Store(where) as store:
+        [info] = store.runs()
+        assert info.status == "finished" and info.ended is not None
+        assert info.config == {"lr": 0.1}
+        steps, values = store.metrics(run, "loss")
+        assert steps.tolist() == list(range(1, 9)) and values.tolist() == list(range(1, 9))
+        assert [e["message"] for e in store.events(run)] == ["first attempt", "second attempt"]
+    with pytest.raises(ValueError, match=f"no run {run + 1} to continue"):
+        RunWriter(where, continue_run=run + 1)
+    with pytest.raises(ValueError, match="continue_run"):
+        RunWriter(where, continue_run=0)
+
+
 # -- metrics ------------------------------------------------------------------------------------
 def test_keys_metrics_summary_and_points(where: str) -> None:
     values = [0.5, 0.25, math.nan, 1.0, 0.125]

@@ -11,6 +11,12 @@ under NCCL, the CPU otherwise.
 When training raises on one rank, :func:`abort` tears the process group down, so that the other
 ranks' pending collectives fail at once (``Connection closed by peer`` under gloo) instead of
 waiting for the process group's timeout.
+
+Beside the collectives, :func:`side_channel` gives the job's key-value store (the TCPStore that
+torchrun, or ``init_process_group``, set up for the ranks to meet): what must travel while a
+rank may be stuck in a collective - heartbeats (:mod:`stepwatch.rank_watch`) and the other
+machines' system metrics (:mod:`stepwatch.node_metrics`) - goes through it, never through a
+collective.
 """
 
 from __future__ import annotations
@@ -23,7 +29,6 @@ from typing import Any
 import torch
 
 __all__ = [
-    "RankWatch",
     "abort",
     "all_gather_rows",
     "broadcast_int",
@@ -32,6 +37,7 @@ __all__ = [
     "local_rank",
     "rank_and_world",
     "shutdown",
+    "side_channel",
     "sum_across",
     "wrap",
 ]
@@ -165,79 +171,21 @@ def abort() -> None:
         logger.warning("could not tear down the process group: %s", exc)
 
 
-class RankWatch:
-    """A background thread on every rank that tells a rank whose process stopped running
-    (SIGSTOP, a frozen machine, a swap storm) from one that is only slow.
+def side_channel() -> Any:
+    """The job's key-value store (a ``torch.distributed.Store``), or None outside a process
+    group of more than one process.
 
-    Each rank publishes a heartbeat (a counter its thread advances every ``period`` seconds)
-    and its last finished step through the process group's own key-value store; a watcher
-    that sees another rank's heartbeat stand still for ``frozen_seconds`` calls ``report``
-    with that rank, its last step and how long it has been silent - while the other ranks
-    still wait in a collective that would only time out much later. Each episode is reported
-    once; a rank that beats again starts a new one. Nothing here touches the training thread
-    but :attr:`step`, set once a step.
+    It is the store under the default process group's prefixes: the same one on every rank and
+    machine, reachable from any thread while the training thread waits in a collective. Keys
+    stepwatch writes there start with ``stepwatch/``.
     """
+    if not is_distributed():
+        return None
+    from torch.distributed import distributed_c10d
 
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        frozen_seconds: float,
-        report: Any,
-        period: float | None = None,
-    ) -> None:
-        import threading
-
-        from torch.distributed import distributed_c10d
-
-        self.rank, self.world = rank, world
-        self.frozen_seconds = frozen_seconds
-        self.period = period if period is not None else max(0.05, frozen_seconds / 8)
-        self.step = 0
-        self._report = report
-        self._store = distributed_c10d._get_default_store()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stepwatch-rank-watch", daemon=True)
-
-    def start(self) -> RankWatch:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _key(self, rank: int) -> str:
-        return f"stepwatch/heartbeat/{rank}"
-
-    def _run(self) -> None:
-        import time
-
-        store, beat = self._store, 0
-        seen: dict[int, tuple[bytes | None, float]] = {}
-        reported: set[int] = set()
-        first = True
-        while first or not self._stop.wait(self.period):
-            first = False  # the first heartbeat goes out at once
-            beat += 1
-            now = time.monotonic()
-            try:
-                store.set(self._key(self.rank), f"{beat} {self.step}")
-                for other in range(self.world):
-                    if other == self.rank:
-                        continue
-                    key = self._key(other)
-                    value = store.get(key) if store.check([key]) else None
-                    last, since = seen.setdefault(other, (None, now))
-                    if value != last:
-                        seen[other] = (value, now)
-                        reported.discard(other)
-                        continue
-                    # A rank that never beat at all is as silent as one that stopped beating.
-                    silent = now - since
-                    if silent >= self.frozen_seconds and other not in reported:
-                        reported.add(other)
-                        step = int(value.split()[1]) if value else 0
-                        self._report(other, step, silent)
-            except Exception:  # the store went away (teardown): nothing left to watch
-                return
+    store = distributed_c10d._get_default_store()
+    while True:  # PrefixStore("default_pg", PrefixStore(..., TCPStore)): the shared root
+        inner = getattr(store, "underlying_store", None)
+        if inner is None:
+            return store
+        store = inner

@@ -225,6 +225,12 @@ class WriteBackend:
         """Add a run with status ``running``; return its id (``name`` '' is ``run-<id>``)."""
         raise NotImplementedError
 
+    def continue_run(self, run: int, host: str, pid: int, now: float) -> str:
+        """Mark the stored run ``run`` ``running`` again, written by process ``pid`` on
+        ``host`` (a job started again continues its run); return its name. Raises
+        ValueError when the store has no such run."""
+        raise NotImplementedError
+
     def key_id(self, name: str) -> int:
         """The id of the metric key ``name`` (created on first use)."""
         raise NotImplementedError

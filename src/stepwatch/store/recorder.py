@@ -12,7 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import node_metrics
 from .._validation import check_int, check_number
+from ..job import current_job, next_run_number, run_to_continue, several_nodes
 from ..monitor import values as names
 from ..monitor.schedule import Every, Pace
 from ..train.callback._callback import ORDER_RECORD, Callback, CallbackParams, RunContext
@@ -21,7 +23,6 @@ from ..view.run import RunView, view_of
 from ..view.tap import Chunk
 from .base import check_writable
 from .notify import Notifier, check_notify_url
-from .system import SystemSampler
 from .writer import RunWriter, flush_period, run_config
 
 __all__ = ["RunRecorder"]
@@ -60,7 +61,11 @@ class RunRecorder(Callback):
     to the writer, a batch a chunk; a device chunk's host copy was queued by the tap without
     waiting, and the writer thread waits for it. It has no step hook: it looks at the run's
     step clock about four times a flush period, so slow steps are still written within it.
-    The rows are built in bulk on the writer thread. Only rank 0 records (``rank_zero_only``).
+    The rows are built in bulk on the writer thread. Only rank 0 records (``rank_zero_only``);
+    in a torchrun job on several machines, the first worker of each other machine publishes its
+    machine's system metrics for rank 0 to record (:mod:`stepwatch.node_metrics`), and a job
+    that torchrun starts again (``--max-restarts``) goes on recording the run its first
+    attempt began (:mod:`stepwatch.job`), with a ``restart`` event where it resumed.
 
     Keys written (named as :mod:`stepwatch.monitor.values` names them, so the store, ``History``
     and ``EarlyStopping(monitor=...)`` agree):
@@ -141,6 +146,9 @@ class RunRecorder(Callback):
             else check_number("system_every", system_every, minimum=0.01)
         )
         self.notify = check_notify_url(notify)
+        if self.system_every is not None and several_nodes():
+            self.rank_zero_only = False  # the other machines publish their system metrics
+        self._publisher: Any = None
         self.writer: RunWriter | None = None
         self._run_id: int | None = None
         # The chunks of step losses (from the run's loss tap) not handed to the writer yet.
@@ -158,6 +166,9 @@ class RunRecorder(Callback):
         p = run_context.cb_params
         if p.rank_id != 0:
             self.writer = None
+            self._stop_publishing()
+            if self.system_every is not None:
+                self._publisher = node_metrics.publisher(self.system_every, p.rank_id)
             return
         view = view_of(p)
         config = {
@@ -178,9 +189,29 @@ class RunRecorder(Callback):
             config["host"] = view.host
         if view.config:
             config["host_config"] = view.config
-        writer = RunWriter(self._where, self.run_name, config, flush_seconds=self.flush_seconds)
+        job, continued = current_job(), None
+        if job is not None:  # a torchrun worker: the run a restarted job continues
+            number = next_run_number()
+            config["job"] = {**job.config(), "run": number}
+            continued = run_to_continue(self._where, job, number)
+        writer = RunWriter(
+            self._where,
+            self.run_name,
+            config,
+            flush_seconds=self.flush_seconds,
+            continue_run=continued,
+        )
+        if continued is not None:
+            writer.event(
+                "restart",
+                f"the job was started again by torchrun; training goes on from step "
+                f"{p.cur_step_num}",
+                p.cur_step_num,
+                p.cur_epoch_num,
+                data={"restart": job.restart if job is not None else None},
+            )
         if self.system_every is not None:
-            writer.system = SystemSampler(self.system_every)
+            writer.system = node_metrics.sampler(self.system_every)
         if self.notify is not None:
             writer.notifier = Notifier(self.notify, self.run_name or writer.name)
             writer.notifier.run_id = writer.run_id
@@ -297,6 +328,7 @@ class RunRecorder(Callback):
             )
 
     def on_train_end(self, run_context: RunContext) -> None:
+        self._stop_publishing()
         writer = self.writer
         if writer is None:
             return
@@ -346,7 +378,13 @@ class RunRecorder(Callback):
             if self.writer is not None:
                 view.detach_sink(self.writer)
 
+    def _stop_publishing(self) -> None:
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close()
+
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._stop_publishing()
         writer = self.writer
         if writer is None or writer.closed:
             return

@@ -102,6 +102,9 @@ class RunWriter:
         flush_seconds: the longest a record waits before it is written (default 1 s).
         max_pending: queued items before the full-queue policy applies.
         block_seconds: how long ``log`` may wait for room before dropping.
+        continue_run: the id of a stored run to continue (marked ``running`` again, its
+            points and events kept; ``name`` and ``config`` are then not used) instead of
+            creating one: a job started again by torchrun goes on recording its run.
 
     Attributes:
         run_id: the run's id in the store.
@@ -123,6 +126,7 @@ class RunWriter:
         flush_seconds: float = 1.0,
         max_pending: int = 100_000,
         block_seconds: float = 0.5,
+        continue_run: int | None = None,
     ) -> None:
         where = parse_location(db)  # once: every later open takes the parsed location
         self.path = where.target  # the file, for a local store
@@ -134,6 +138,9 @@ class RunWriter:
         self.location = where.shown
         self._where = where
         self._create = (name or "", config_json, socket.gethostname(), os.getpid(), time.time())
+        if continue_run is not None:
+            check_int("continue_run", continue_run, minimum=1)
+        self._continue = continue_run
         self._backend: WriteBackend | None = None
         self.run_id: int | None = None
         self.name = name or ""
@@ -183,7 +190,12 @@ class RunWriter:
         backend = open_write_backend(self._where, wait=wait)
         self._reached = True
         try:
-            self.run_id = backend.create_run(*self._create)
+            if self._continue is not None:
+                _, _, host, pid, now = self._create
+                self.name = backend.continue_run(self._continue, host, pid, now)
+                self.run_id = self._continue
+            else:
+                self.run_id = backend.create_run(*self._create)
         except BaseException:
             backend.close()
             raise

@@ -119,6 +119,11 @@ class PostgresWriteBackend(WriteBackend):
         row = (name, now, host, current_user(), pid, config_json, now, origin)
         return int(self._call(_create_run, row, "running", False))
 
+    def continue_run(self, run: int, host: str, pid: int, now: float) -> str:
+        name, events = self._call(_continue_run, run, host, pid, now)
+        self._seq[run] = events  # the events it holds are numbered 0 .. events - 1
+        return str(name)
+
     def key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
         if key_id is None:
@@ -225,6 +230,21 @@ def _create_run(conn: Any, row: tuple[Any, ...], status: str, pushed: bool) -> i
     if not name:  # (again after a retry: the first try may have been cut off before this)
         conn.execute("UPDATE runs SET name = %s WHERE id = %s AND name = ''", (f"run-{run}", run))
     return run
+
+
+def _continue_run(conn: Any, run: int, host: str, pid: int, now: float) -> tuple[str, int]:
+    with conn.transaction():
+        found = conn.execute(
+            "UPDATE runs SET status = 'running', ended = NULL, host = %s, pid = %s, "
+            "heartbeat = %s, seen = clock_timestamp() WHERE id = %s RETURNING name",
+            (host, pid, now, run),
+        ).fetchone()
+        if found is None:
+            raise ValueError(f"the store has no run {run} to continue")
+        seq = conn.execute(
+            "SELECT coalesce(max(seq) + 1, 0) FROM events WHERE run = %s", (run,)
+        ).fetchone()
+    return str(found[0]), int(seq[0])
 
 
 def _key_id(conn: Any, name: str) -> int:

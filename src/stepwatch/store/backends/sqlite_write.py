@@ -56,6 +56,18 @@ class SQLiteWriteBackend(WriteBackend):
             _rollup.mark_run(self._conn, run)
         return run
 
+    def continue_run(self, run: int, host: str, pid: int, now: float) -> str:
+        with _busy_as_store_busy(), self._conn:
+            found = self._conn.execute("SELECT name FROM runs WHERE id = ?", (run,)).fetchone()
+            if found is None:
+                raise ValueError(f"the store {self.location} has no run {run} to continue")
+            self._conn.execute(
+                "UPDATE runs SET status = 'running', ended = NULL, host = ?, pid = ?, "
+                "heartbeat = ? WHERE id = ?",
+                (host, pid, now, run),
+            )
+        return str(found[0])
+
     def key_id(self, name: str) -> int:
         key_id = self._key_ids.get(name)
         if key_id is None:
