@@ -337,7 +337,9 @@ class GradExplosion(Detector):
 
     Args:
         z: standard deviations of the log norm to exceed (default 6).
-        factor: x the running mean that the norm must also exceed (default 3).
+        factor: x the running mean that the norm must also exceed (default 10: healthy
+            norms of small batches swing several-fold from one batch to another, and a few
+            read far apart say little of their tail).
         warmup: norms needed before the relative rule applies (default 5).
         alpha: the weight of each new norm in the moving averages (default 0.1).
         max_norm: an absolute bound; None for none.
@@ -350,7 +352,7 @@ class GradExplosion(Detector):
     _advice = "clip gradients (clip_grad_norm), lower the learning rate or check the input batch"
 
     def __init__(
-        self, z: float = 6.0, factor: float = 3.0, warmup: int = 5, alpha: float = 0.1,
+        self, z: float = 6.0, factor: float = 10.0, warmup: int = 5, alpha: float = 0.1,
         max_norm: float | None = None, min_std: float = 0.3,
     ) -> None:  # fmt: skip
         super().__init__()
