@@ -108,8 +108,8 @@ class Clock:
             tap.set_alarm(self, math.inf)  # a non-finite host loss, on its step from step 1
         if grads:
             self.grads_at(start + 1)  # the first step's gradients
-        if keep_every:
-            tap.call_at((start // keep_every + 1) * keep_every, self._keep)
+        if keep_every:  # a copy after the first step, so a spike at step 50 has one before it
+            tap.call_at(start + 1, self._keep)
         if classes:
             tap.call_at(start + 1, self._classes)
 

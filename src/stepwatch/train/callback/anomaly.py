@@ -103,12 +103,14 @@ class AnomalyMonitor(Callback):
       recent window of step losses and gradient statistics as JSON, into ``snapshot_dir``.
     - ``'reduce_lr'``: multiply every learning rate by ``lr_factor``.
     - ``'rollback'``: restore the network, optimizer, LR schedule and loss scale to the newest
-      copy taken before the anomaly's step (copies are kept in memory every
-      ``rollback_every`` steps, the newest ``min(max_rollbacks, 3) + 1``), and go on with the
-      next batches: the batches between the copy and the alert are skipped. When the same
-      kind of alert comes back, the copy was already bad: the next rollback goes to an older
-      one. At most ``max_rollbacks`` per run; after that, or with no copy left to try, the
-      action stops the run.
+      copy taken before the anomaly's step (copies are kept in memory after the first step
+      and every ``rollback_every`` steps, the newest ``min(max_rollbacks, 3) + 1``), and go on
+      with the next batches: the batches between the copy and the alert are skipped. When
+      the same kind of alert comes back, the copy was already bad: the next rollback goes to
+      an older one. At most ``max_rollbacks`` per run; after that, or with no copy left to
+      try, the action stops the run. An alert read as the run ends (its last steps are
+      judged before its status is written) is not rolled back: no step is left to go on
+      from, and the outcome says so.
     - a callable ``fn(alert, run_context)``.
 
     Args:
@@ -131,7 +133,7 @@ class AnomalyMonitor(Callback):
             the run's clock does both). The gradient detectors' patience counts
             measurements; while one of them has seen its condition but not yet for its whole
             patience, they come every 5 steps, and every 10 until the explosion detector has
-            its first 10 norms.
+            its first 5 norms.
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
             50; kept only when some kind's action is ``'rollback'``).
@@ -340,6 +342,8 @@ class AnomalyMonitor(Callback):
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
+        planned = self._view.epochs if self._view is not None else 0
+        self._actions.ending = bool(planned) and p.cur_epoch_num >= planned  # the last epoch
         self._read_all(run_context)
         if self._overfitting is None and self._chance is None and not self._epoch_thresholds:
             return
@@ -362,6 +366,10 @@ class AnomalyMonitor(Callback):
                 self._actions.raise_(alert, run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
+        # every step is judged before the run's status is written (the recorders come after
+        # this monitor): the last partial batch of steps too, its alerts acted on - but no
+        # step is left to go on from, so a rollback says it cannot be done
+        self._actions.ending = True
         self._read_all(run_context)
         never = sorted(
             {d.name for d in self._epoch_thresholds} - self._thresholds_seen - self._warned_names
