@@ -15,6 +15,7 @@ from torch import nn
 
 import stepwatch
 from stepwatch import AnomalyMonitor
+from stepwatch.monitor.detectors import Alert, Detector
 
 
 @pytest.fixture(autouse=True)
@@ -115,11 +116,23 @@ def test_a_blow_up_is_seen_at_the_gradient_a_step_before_the_loss() -> None:
     assert all(a.step > 50 for a in monitor.alerts if a.kind == "spike")
 
 
-def _spike_at_the_end(tmp_path: Any, action: Any, steps: int) -> tuple[AnomalyMonitor, Any]:
-    """One epoch of ``steps`` steps whose last two batches have their labels flipped, with a
-    recorder."""
+class _Quiet(Detector):
+    """A detector of one's own without ``alarm()``: the monitor then reads the losses every 8
+    steps, as it reads a GPU's, so the last ones are read as the run ends."""
+
+    kind = "quiet"
+
+    def update_many(self, steps: Any, values: Any, epoch: int | None = None) -> list[Alert]:
+        return []
+
+
+def _spike_at_the_end(
+    tmp_path: Any, steps: int, detectors: Any = None
+) -> tuple[AnomalyMonitor, Any]:
+    """One epoch of ``steps`` steps whose last batch has its labels flipped and its inputs
+    x10, with a recorder."""
     recorder = stepwatch.RunRecorder(db=tmp_path / "runs.db")
-    monitor = AnomalyMonitor(action=action)
+    monitor = AnomalyMonitor(detectors, action={"spike": "rollback"})
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(steps * 16, 8, generator=gen)
@@ -130,8 +143,8 @@ def _spike_at_the_end(tmp_path: Any, action: Any, steps: int) -> tuple[AnomalyMo
     with stepwatch.watch(net, opt, [monitor, recorder], epochs=1, steps_per_epoch=steps) as run:
         for i in range(steps):
             bx, by = x[i * 16 : (i + 1) * 16], y[i * 16 : (i + 1) * 16]
-            if i >= steps - 2:
-                by = 1 - by
+            if i == steps - 1:
+                bx, by = bx * 10.0, 1 - by
             opt.zero_grad()
             loss = loss_fn(net(bx), by)
             loss.backward()
@@ -141,15 +154,19 @@ def _spike_at_the_end(tmp_path: Any, action: Any, steps: int) -> tuple[AnomalyMo
     return monitor, recorder
 
 
-@pytest.mark.parametrize("steps", [45, 100])
-def test_the_last_steps_are_judged_and_acted_on_before_the_run_is_stored(
-    tmp_path: Any, steps: int
+@pytest.mark.parametrize(
+    ("steps", "detectors"), [(45, None), (100, None), (45, ["spike", _Quiet()])]
+)
+def test_a_spike_in_the_last_steps_is_acted_on_and_not_rolled_back(
+    tmp_path: Any, steps: int, detectors: Any
 ) -> None:
-    monitor, recorder = _spike_at_the_end(tmp_path, {"spike": "rollback"}, steps)
+    # read on its step (the last one), or with the last partial batch of steps as the run
+    # ends (no alarm): either way judged and acted on before the run's status is stored
+    monitor, recorder = _spike_at_the_end(tmp_path, steps, detectors)
     spikes = [(a.step, o) for a, o in zip(monitor.alerts, monitor.outcomes) if a.kind == "spike"]
     assert spikes == [
         (
-            steps - 1,
+            steps,
             f"not rolled back: the run ended at step {steps}, no step is left to go on from "
             f"(the weights are step {steps}'s)",
         )
@@ -158,5 +175,5 @@ def test_the_last_steps_are_judged_and_acted_on_before_the_run_is_stored(
     with stepwatch.Store(tmp_path / "runs.db") as store:
         info = store.run(recorder.run_id)
         alerts = [e for e in store.events(info.id) if e["kind"] == "alert"]
-        assert [(e["step"], e["data"]["kind"]) for e in alerts if e["data"]["kind"] == "spike"]
+        assert [e["step"] for e in alerts if e["data"]["kind"] == "spike"] == [steps]
         assert info.status == "finished"

@@ -314,7 +314,9 @@ class Actions:
             stopping = _stop(alert, run_context)
             return f"{host} cannot restore weights and optimizer mid-run, {stopping}"
         now = run_context.original_args().cur_step_num
-        if self.ending:
+        view = self._view
+        planned = view.epochs * view.steps_per_epoch if view is not None else 0
+        if self.ending or 0 < planned <= now:  # the run's last step: none left after it
             return (
                 f"not rolled back: the run ended at step {now}, no step is left to go on "
                 f"from (the weights are step {now}'s)"

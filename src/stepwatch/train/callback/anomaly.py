@@ -590,18 +590,17 @@ class AnomalyMonitor(Callback):
     def _set_alarm(self) -> None:
         self._clock.retune(self._alarm_level)
 
-    def _alarm_level(self) -> float | None:
+    def _alarm_level(self) -> tuple[float, bool]:
         """The smallest loss that could fire a detector fed each batch (or a trend detector
-        waiting for a value), or None while one of them cannot say."""
+        waiting for a value) among those that can say, and whether all of them can."""
         levels = [getattr(d, "alarm", _no_alarm)() for d in self._fast]
-        if None in levels:
-            return None
-        level = min(levels, default=math.inf)
+        known = [level for level in levels if level is not None]
+        level = min(known, default=math.inf)
         for detector in self._slow_alarms:  # a trend detector waiting for a value
             wants = detector.alarm()
             if wants is not None and wants < level:
                 level = wants
-        return level
+        return level, len(known) == len(levels)
 
     def _feed_slow(self) -> list[Alert]:
         """The trend detectors' share: every step loss since they last looked, in one call
