@@ -677,10 +677,22 @@ def report(results: list[Result], out: Any = sys.stdout) -> dict[str, Any]:
     return summary
 
 
+def _upper(count: int, confidence: float = 0.95) -> float:
+    """The Poisson rate whose chance of ``count`` or fewer events is ``1 - confidence``: a
+    one-sided upper bound on the rate behind ``count`` events (3.0 for none)."""
+    lo, hi = float(count), count + 10.0 * (count + 1) ** 0.5 + 10.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        cdf = sum(math.exp(-mid) * mid**i / math.factorial(i) for i in range(count + 1))
+        lo, hi = (mid, hi) if cdf > 1.0 - confidence else (lo, mid)
+    return hi
+
+
 def figures(results: list[Result], out: Any = sys.stdout) -> list[dict[str, Any]]:
     """Per detector, at AnomalyMonitor's defaults: its false alarms over every healthy run
-    (and per 100,000 healthy steps), and the median and worst delay over the fault runs that
-    expect it. Printed as a Markdown table."""
+    (and per 100,000 healthy steps, with a 95% upper bound: the suite's healthy steps are too
+    few to tell 0 from a few per 100,000), and the median and worst delay over the fault runs
+    that expect it. Printed as a Markdown table."""
     healthy = [r for r in results if r.scenario.expected is None]
     steps = sum(r.steps for r in healthy)
     rows: list[dict[str, Any]] = []
@@ -694,19 +706,21 @@ def figures(results: list[Result], out: Any = sys.stdout) -> list[dict[str, Any]
         rows.append({
             "detector": kind, "false alarms": false,
             "per 100k healthy steps": 1e5 * false / steps if steps else math.nan,
+            "95% upper bound": 1e5 * _upper(false) / steps if steps else math.nan,
             "faults caught": f"{len(delays)}/{len(faults)}",
             "median delay": f"{statistics.median(delays):g} {unit}" if delays else "-",
             "worst delay": f"{max(delays):g} {unit}" if delays else "-",
         })  # fmt: skip
     print(f"{len(healthy)} healthy runs, {steps:,} healthy steps; {len(results) - len(healthy)} "
           "fault runs", file=out)  # fmt: skip
-    print("| detector | false alarms | per 100,000 healthy steps | faults caught | median delay "
-          "| worst delay |", file=out)  # fmt: skip
+    print("| detector | false alarms | per 100,000 healthy steps (95% upper bound) "
+          "| faults caught | median delay | worst delay |", file=out)  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|", file=out)
     for row in rows:
         print(f"| `{row['detector']}` | {row['false alarms']} | "
-              f"{row['per 100k healthy steps']:.1f} | {row['faults caught']} | "
-              f"{row['median delay']} | {row['worst delay']} |", file=out)  # fmt: skip
+              f"{row['per 100k healthy steps']:.1f} (≤ {row['95% upper bound']:.1f}) | "
+              f"{row['faults caught']} | {row['median delay']} | {row['worst delay']} |",
+              file=out)  # fmt: skip
     return rows
 
 
