@@ -259,7 +259,7 @@ class Spike(Detector):
             self._refresh()
 
     def _refresh(self) -> None:
-        # sorted() on a few dozen floats is several times faster than numpy's at this size
+        # the level: sorted() on 16 floats is several times faster than numpy's median
         self._since = 0
         values = self._values
         recent = list(itertools.islice(values, max(0, len(values) - self.level_window), None))
@@ -271,11 +271,11 @@ class Spike(Detector):
         n = len(values)
         if n < self.warmup:
             return
-        if n < self.window or self._since_spread >= self.window // 2:
+        if n < self.window or self._since_spread >= self.window:  # (it moves slowly)
             self._since_spread = 0
-            logs = [math.log(v + f) for v in values]
-            steps = sorted(abs(b - a) for a, b in itertools.pairwise(logs))
-            self._spread = steps[(len(steps) - 1) * 9 // 10] / self._SPREAD_K if steps else 0.0
+            changes = np.abs(np.diff(np.log(np.fromiter(values, np.float64, n) + f)))
+            k = (n - 2) * 9 // 10  # the 90th percentile of the n - 1 changes
+            self._spread = float(np.partition(changes, k)[k]) / self._SPREAD_K
         excess = max(math.log(self.min_ratio), self.z * self._spread)
         if self.peak_ratio is not None:
             excess = max(excess, self._peak + math.log(self.peak_ratio))
