@@ -268,7 +268,7 @@ def test_rollback_goes_to_an_older_copy_when_the_same_alert_returns() -> None:
     stops = Stops()
     model.train(4, BATCHES, callbacks=[monitor, stops])
     spikes = [(a.step, o) for a, o in zip(monitor.alerts, monitor.outcomes) if a.kind == "spike"]
-    assert [s for s, _ in spikes] == [61, 65]
+    assert [s for s, _ in spikes] == [61, 62]  # each read on its step
     assert spikes[0][1].startswith("rolled back to step 60 (1 of 3)")
     came_back = "(2 of 3; the spike came back after the rollback to 60)"
     assert spikes[1][1].startswith(f"rolled back to step 50 {came_back}")

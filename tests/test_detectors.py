@@ -20,10 +20,13 @@ from stepwatch.monitor.detectors import (
     GradExplosion,
     GradVanishing,
     NonFinite,
+    NotLearning,
     Overfitting,
     Plateau,
+    RecurringBatch,
     Spike,
     Threshold,
+    WorseThanChance,
 )
 
 N = 5000
@@ -140,8 +143,14 @@ def test_spike_args_validation() -> None:
         Spike(window=10, warmup=20)
     with pytest.raises(TypeError, match="'z' must be a number"):
         Spike(z="8")
-    assert Spike(window=10).warmup == 5  # the default warm-up follows a small window
-    assert GradExplosion(window=10).warmup == 10
+    with pytest.raises(ValueError, match="'floor' must be >= 0"):
+        Spike(floor=-0.1)
+    with pytest.raises(ValueError, match="'level_window' must be an int >= 1"):
+        Spike(level_window=0)
+    with pytest.raises(ValueError, match="'lone_ratio' must be >= 1"):
+        Spike(lone_ratio=0.5)
+    assert Spike().warmup == 16  # a spike at step 50 of a short run is judged
+    assert Spike(window=10).warmup == 10  # the default warm-up follows a small window
 
 
 def test_spike_fires_on_the_spike_step_and_not_during_warmup() -> None:
@@ -164,9 +173,14 @@ def test_spike_flat_low_noise_loss_ignores_tiny_wiggles() -> None:
 def test_spike_fires_once_per_episode() -> None:
     values = noisy_decay(np.random.default_rng(1))
     values[2000:2100] *= 5  # a sustained jump: one alert
-    values[3000] *= 5  # after it cleared: a second
+    values[3000:3003] *= 5  # after it cleared: a second
     alerts = feed(Spike(z=10, peak_ratio=None), values)
     assert [a.step for a in alerts] == [2001, 3001]
+    for every in (8, 128):  # read in batches, as AnomalyMonitor reads them: the same
+        assert [a.step for a in chunked(Spike(z=10, peak_ratio=None), values, every)] == [
+            2001,
+            3001,
+        ]
 
 
 # ---- divergence ----
@@ -505,16 +519,16 @@ def test_detectors_import_no_torch() -> None:
 def test_windows_stay_bounded_after_100k_updates() -> None:
     rng = np.random.default_rng(0)
     values = rng.lognormal(0.0, 0.1, 100_000)
-    spike, explode, overfit = Spike(window=100), GradExplosion(window=50), Overfitting(patience=3)
+    spike, explode, overfit = Spike(window=100), GradExplosion(), Overfitting(patience=3)
     plateau = Plateau(patience=300)
     for step, v in enumerate(values.tolist()):
         spike.update(step, v)
         explode.update(step, v)
         plateau.update(step, v)
         overfit.update(step, 1.0 / (step + 1), v)
-    assert len(spike._level) == 100
+    assert len(spike._values) == 100
     assert len(plateau._history) <= 301
-    assert len(explode._level) == 50
+    assert len(explode._first) == explode.warmup  # then two moving averages
     assert len(overfit._pairs) == 4
     # the rest keep a fixed set of numbers, no history at all
     divergence = Divergence()
@@ -533,5 +547,131 @@ def test_spike_needs_a_jump_on_the_runs_scale_not_only_a_ratio_to_a_zero_median(
     start = 2.0 * np.exp(-np.arange(300) / 40.0)  # learns, then most losses are exactly 0
     tail = np.where(rng.random(5000) < 0.3, rng.choice([1.5e-8, 3e-8, 5e-7], 5000), 0.0)
     assert feed(Spike(), np.concatenate([start, tail])) == []
-    alerts = feed(Spike(), np.concatenate([start, tail, [0.5]]))  # a real jump still fires
-    assert [a.step for a in alerts] == [5301]
+    # a real jump still fires: one that stays up, or one alone over the run's whole scale
+    for jump in ([0.5, 0.6], [2.5]):
+        alerts = feed(Spike(), np.concatenate([start, tail, jump]))
+        assert [a.step for a in alerts] == [5301]
+    assert feed(Spike(), np.concatenate([start, tail, [0.5]])) == []  # alone, it may be a tail
+
+
+# ---- right on scale: a jump judged against the loss's own recent scale ----
+
+
+def falling_to(level: float, rng: np.random.Generator, n: int = 300) -> np.ndarray:
+    """A short run's loss: from about twice ``level`` down to it within 40 steps, with the
+    batch-to-batch noise of a batch of 16 (about 12%)."""
+    t = np.arange(n, dtype=float)
+    return level * (1.0 + 1.2 * np.exp(-t / 15.0)) * rng.lognormal(0.0, 0.12, n)
+
+
+def chunked(detector: Any, values: np.ndarray, every: int = 8) -> list[Alert]:
+    """As AnomalyMonitor reads them: ``every`` steps at a time."""
+    found: list[Alert] = []
+    for i in range(0, len(values), every):
+        part = [float(v) for v in values[i : i + every]]
+        found += detector.update_many(range(i + 1, i + 1 + len(part)), part)
+    return found
+
+
+@pytest.mark.parametrize("level", [0.3, 300.0, 3e-4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spike_catches_a_3x_jump_at_step_50_at_any_scale(level: float, seed: int) -> None:
+    values = falling_to(level, np.random.default_rng(seed))
+    values[49:56] = level * np.array([3.2, 4.0, 1.6, 1.2, 2.3, 2.1, 1.9])  # high for a while
+    for every in (1, 8, 128):
+        alerts = chunked(Spike(), values, every)
+        assert [a.step for a in alerts] == [50], (every, alerts)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_spike_ignores_a_jump_from_1e7_to_1e5_in_a_run_that_started_at_1(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    t = np.arange(3000, dtype=float)
+    values = np.maximum(np.exp(-t / 100.0), 1e-7) * rng.lognormal(0.0, 0.1, t.size)
+    values[2500] = 1e-5  # a hundredfold, on a loss of 1e-7: nothing on the run's scale
+    assert chunked(Spike(), values) == []
+    # the same jump where 1e-7 is the run's scale is one
+    start = 1e-7 * rng.lognormal(0.0, 0.1, 3000)
+    start[2500] = 1e-5
+    assert [a.step for a in chunked(Spike(), start)] == [2501]
+
+
+def zero_loss_run(rng: np.random.Generator, n: int = 6000) -> np.ndarray:
+    """A separable task with batches of 4: learnt within 30 steps, then most step losses are
+    exactly 0, the rest tiny, and now and then a batch with a sample near the boundary."""
+    start = 0.7 * np.exp(-np.arange(30) / 6.0)
+    tail = np.where(rng.random(n) < 0.6, 0.0, 1e-4 * rng.lognormal(0.0, 2.0, n))
+    strays = rng.random(n) < 0.005
+    tail[strays] = rng.uniform(0.01, 0.3, strays.sum())
+    return np.concatenate([start * rng.lognormal(0.0, 0.1, 30), tail])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_loss_detectors_stay_quiet_on_a_loss_that_reached_zero(seed: int) -> None:
+    values = zero_loss_run(np.random.default_rng(seed))
+    steps = range(1, values.size + 1)
+    spe = 30
+    for detector in (Spike(), Divergence(), Plateau(), NotLearning(), RecurringBatch()):
+        if isinstance(detector, (Spike, RecurringBatch)):
+            detector.steps_per_epoch = spe
+        found = []
+        for start in range(0, values.size, spe):
+            part = [float(v) for v in values[start : start + spe]]
+            found += detector.update_many(steps[start : start + spe], part, start // spe + 1)
+        assert found == [], type(detector).__name__
+    chance = WorseThanChance()
+    chance.see_start(values[:16].tolist())
+    epochs = values[: values.size // spe * spe].reshape(-1, spe).mean(1)
+    assert [chance.update(e * spe, float(v), epoch=e) for e, v in enumerate(epochs, 1)] == [
+        None
+    ] * len(epochs)
+
+
+def test_spike_leaves_a_batch_bad_every_epoch_to_the_recurring_batch_detector() -> None:
+    rng = np.random.default_rng(5)
+    spe = 64
+    values = 0.3 * rng.lognormal(0.0, 0.1, spe * 6)
+    values[40::spe] = 1.5  # batch 41 of every epoch
+    spike = Spike()
+    spike.steps_per_epoch = spe
+    found = []
+    for epoch in range(6):
+        steps = range(epoch * spe + 1, (epoch + 1) * spe + 1)
+        part = values[epoch * spe : (epoch + 1) * spe].tolist()
+        found += spike.update_many(steps, part, epoch + 1)
+    assert [a.step for a in found] == [41]  # its first time only
+    # a spike elsewhere still fires
+    assert [a.step for a in spike.update_many([400, 401], [1.5, 1.4], 7)] == [400]
+
+
+# ---- grad_explosion: the running z-score of the log norm ----
+
+
+def test_grad_explosion_judges_a_norm_against_its_own_spread() -> None:
+    rng = np.random.default_rng(0)
+    tight = rng.lognormal(0.0, 0.05, 200)
+    tight[150] *= 12  # 12x where norms move by 5%: far out
+    assert [a.step for a in feed(GradExplosion(), tight)] == [151]
+    noisy = rng.lognormal(0.0, 0.6, 200)
+    noisy[150] = 12 * np.median(noisy)  # 12x where norms swing by 2x: one of their tail
+    assert feed(GradExplosion(), noisy) == []
+
+
+def test_grad_explosion_keeps_a_blow_up_out_of_its_running_mean() -> None:
+    rng = np.random.default_rng(1)
+    norms = rng.lognormal(0.0, 0.1, 300)
+    norms[100:160] *= 50  # sixty exploded norms in a row: one alert, nothing learnt from them
+    norms[250] *= 20
+    detector = GradExplosion()
+    assert [a.step for a in feed(detector, norms)] == [101, 251]
+    assert abs(detector._mean) < 0.2  # the log of the healthy norm, about 0
+
+
+def test_grad_explosion_needs_only_a_few_norms_to_judge() -> None:
+    with pytest.raises(ValueError, match="'warmup' must be an int >= 2"):
+        GradExplosion(warmup=1)
+    with pytest.raises(ValueError, match="'alpha' must be a number with 0 < x <= 1"):
+        GradExplosion(alpha=0.0)
+    norms = [1.0, 1.1, 0.9, 1.05, 0.95, 30.0]
+    assert [a.step for a in feed(GradExplosion(), norms)] == [6]
+    assert feed(GradExplosion(warmup=6), norms) == []

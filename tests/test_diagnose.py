@@ -3,7 +3,9 @@ runs: every fault found within its goal (the bugs that crash nothing among them:
 labels, an LR typo, an epoch schedule stepped per batch, unnormalised inputs into tanh, data
 sorted by class, softmax before CrossEntropyLoss, a bad batch every epoch), and no alert at all
 on the healthy runs, their look-alikes included (label smoothing, warm-up from 0, cosine to 0,
-step decay, dropout with batch 8, a loss in the thousands, slow-then-sudden learning)."""
+step decay, dropout with batch 8, a loss in the thousands, slow-then-sudden learning, a
+separable task with batches of 4 whose losses reach exactly 0); the per-detector figures
+(false alarms per 100,000 healthy steps, delays) are printed as the bench prints them."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def suite() -> Any:
     return module, results
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_every_fault_is_caught_within_its_goal_and_healthy_runs_stay_quiet(suite: Any) -> None:
     module, results = suite
     out = io.StringIO()
@@ -56,4 +58,10 @@ def test_every_fault_is_caught_within_its_goal_and_healthy_runs_stay_quiet(suite
     faults = [r for r in results if r.scenario.expected is not None]
     assert summary["recall"] == f"{len(faults)}/{len(faults)}" and len(faults) >= 15
     held = [r for r in results if r.scenario.held_out]
-    assert len(held) >= 13 and len(results) - len(held) >= 21
+    assert len(held) >= 18 and len(results) - len(held) >= 25
+    rows = module.figures(results, io.StringIO())
+    assert {row["detector"] for row in rows} >= {"spike", "grad_explosion", "divergence"}
+    for row in rows:
+        assert row["false alarms"] == 0 and row["per 100k healthy steps"] == 0.0, row
+        caught, runs = row["faults caught"].split("/")
+        assert caught == runs, row

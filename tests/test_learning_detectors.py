@@ -78,6 +78,8 @@ def test_lr_negligible_early_decay_fires_a_cosine_to_zero_does_not() -> None:
 def test_worse_than_chance_needs_patience_epochs_in_a_row() -> None:
     detector = WorseThanChance(classes=4)
     detector.see_start([1.4] * 8)
+    assert detector.start is None  # the mean of the first 16 losses
+    detector.see_start([1.4] * 8)
     found = [detector.update(e * 100, loss, epoch=e) for e, loss in enumerate([5, 1, 5, 5, 5], 1)]
     assert [a.epoch for a in found if a] == [5]
     assert (
@@ -151,9 +153,9 @@ def test_gradients_are_measured_every_10_steps_until_the_explosion_detector_is_w
     monitor = sw.AnomalyMonitor(detectors=["grad_explosion"], grad_every_n_steps=40)
     model.train(12, data, callbacks=[monitor])
     measured = list(monitor._history["grad_step"])
-    # 10 norms, then at the multiples of 40
-    assert measured[:12] == [1, 11, 21, 31, 41, 51, 61, 71, 81, 91, 120, 160]
-    assert all(b - a == 40 for a, b in itertools.pairwise(measured[10:]))
+    # 5 norms, then at the multiples of 40
+    assert measured[:8] == [1, 11, 21, 31, 41, 80, 120, 160]
+    assert all(b - a == 40 for a, b in itertools.pairwise(measured[5:]))
 
 
 def test_not_learning_in_a_real_run_reads_the_classes_from_the_loss_and_outputs() -> None:
@@ -207,4 +209,5 @@ def test_a_recurring_bad_batch_is_acted_on_at_its_own_step_in_a_real_run() -> No
     model = sw.Model(net, nn.CrossEntropyLoss(), torch.optim.SGD(net.parameters(), lr=0.2))
     model.train(6, data, callbacks=[sw.AnomalyMonitor(action=keep)])
     # its third epoch in a row: step 3 x 64 + 41, acted on there, not at the next batch read
+    # (one batch up, gone the next step, is no spike)
     assert seen == [("recurring_batch", 233, 233)]

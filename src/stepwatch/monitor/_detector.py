@@ -70,6 +70,44 @@ class Detector:
         return Alert(step, epoch, self.kind, message, float(value))
 
 
+class _RunScale:
+    """A run's loss scale: the mean of its first ``n`` finite values (a loss that falls to 0
+    within a few steps keeps the scale it started at), or a higher level seen since. The
+    detectors judge a jump against it, so that a move from 1e-7 to 1e-5 in a run that started
+    at 1 is not taken for a hundredfold jump."""
+
+    __slots__ = ("_count", "_sum", "n", "value")
+
+    def __init__(self, n: int = 16) -> None:
+        self.n = n
+        self._sum = 0.0
+        self._count = 0
+        self.value = 0.0
+
+    @property
+    def started(self) -> bool:
+        """True once the first ``n`` values are in."""
+        return self._count >= self.n
+
+    def add(self, values: Sequence[float]) -> None:
+        """Take the run's next values (only the first ``n`` finite ones count)."""
+        if self._count >= self.n:
+            return
+        for v in values:
+            if math.isfinite(v):
+                self._sum += v
+                self._count += 1
+                if self._count >= self.n:
+                    break
+        if self._count:
+            self.value = max(self.value, self._sum / self._count)
+
+    def raise_to(self, level: float) -> None:
+        """A level the loss held: the scale is at least that."""
+        if level > self.value:
+            self.value = level
+
+
 def _check_fraction(name: str, value: Any, *, one: bool = False) -> float:
     value = check_number(name, value)
     if not (0.0 < value < 1.0 or (one and value == 1.0)):

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .._validation import _got, check_int, check_number
-from ._detector import Alert, Detector, _check_fraction, _check_name
+from ._detector import Alert, Detector, _check_fraction, _check_name, _RunScale
 from .epoch_detectors import Overfitting, Threshold
 from .layer_detectors import DyingReLU, GradVanishing, Saturation
 from .learning_detectors import LrNegligible, NotLearning, RecurringBatch, WorseThanChance
@@ -70,48 +70,73 @@ class NonFinite(Detector):
 
 
 class Spike(Detector):
-    """Fires when one value is far above its recent robust level and above anything seen
-    lately.
+    """Fires when the loss jumps far above its recent level and stays there (two steps in a
+    row), or jumps very far in one step. It judges in log space, so that a 3x jump is the
+    same event at 0.3 and at 300, with a floor tied to the run's loss scale, so that a loss
+    that reached 0 does not alarm on each 1e-8 it still shows.
 
-    The limit is the larger of ``median + max(z * 1.4826 * MAD, (min_ratio - 1) * |median|)``
-    of the last ``window`` values, and ``peak_ratio`` x the recent peak ratio (the largest
-    value / median seen after warm-up and not alerted on, decaying by half every
-    ``peak_halflife`` values) x the median; the jump over the median must also be over
-    ``min_jump`` x the run's scale (the highest median seen). The robust z-score shrugs off
-    Gaussian noise, the relative floor keeps flat, low-noise losses from alarming on tiny
-    wiggles, the scale floor keeps a loss that reached 0 (a separable task) from alarming on
-    each 1e-8 it still shows, and the peak
-    guard keeps heavy-tailed losses (small batches, outliers in the targets), whose rare large
-    values are part of the stream, from alarming on each. Silent
-    until ``warmup`` values are in. The episode clears on the first value back under the limit.
+    Each value ``v`` is read as ``u = log(v + f)``, where the floor ``f`` is ``floor`` x the
+    run's scale (the mean of its first ``warmup`` values, or a higher level seen since): far
+    above ``f`` this is the log of the loss, near 0 it is flat. A value is *over the limit*
+    when ``u`` is over the level (the median of the last ``level_window`` values, which keeps
+    up with a falling loss) by the largest of
+
+    - ``log(min_ratio)``: a real jump, not a wiggle of a flat, low-noise loss;
+    - ``z`` x the spread: the 90th percentile of the last ``window`` values' step-to-step
+      changes in ``u``, scaled to a standard deviation (a falling trend does not widen it,
+      and a loss that jumps about - tiny batches, heavy-tailed targets - widens it);
+    - ``log(peak_ratio)`` over the recent peak: the largest excursion above the level seen
+      without an alert (decaying by half every ``peak_halflife`` values), so that a
+      heavy-tailed loss, whose rare large values are part of the stream, does not alarm on
+      each;
+
+    and the jump ``v - level`` is also over ``min_jump`` x the run's scale (a jump from 1e-7 to
+    1e-5 in a run that started at 1 is no spike). Two values over the limit in a row fire,
+    naming the first one's step; one value alone fires when it is ``lone_ratio`` x further
+    out and its jump is over the run's whole scale. A value over the limit that the next one
+    does not follow joins the peak: one batch up and gone the next step is the stream's tail.
+
+    It can fire from the ``warmup``-th value on (16 by default: a spike at step 50 of a short
+    run is seen). The episode clears on the first value back under the limit; while it lasts
+    (up to ``window`` values) the level is held where it was, so a loss that stays high for
+    a while is one episode. A value over the limit at the batch position (in the epoch) of
+    the last epoch's spike is left to
+    :class:`~stepwatch.monitor.learning_detectors.RecurringBatch`: a batch that is bad
+    every epoch fires once here (``steps_per_epoch``, which AnomalyMonitor fills, tells the
+    positions).
 
     Args:
-        window: values in the rolling median/MAD (default 100).
-        z: robust z-score to exceed (default 20: far outside Gaussian noise; the MAD
-            understates the spread of heavy-tailed losses).
-        min_ratio: the value must also exceed ``min_ratio`` x the median (default 1.5).
-        warmup: values needed before it can fire (default: half the window).
+        window: values behind the spread (default 64).
+        z: the spread multiple to exceed (default 8).
+        min_ratio: the floored value must exceed ``min_ratio`` x the floored level (default 2).
+        warmup: values needed before it can fire (default 16, at most ``window``).
         name: what the values are, for the message.
-        peak_ratio: x the recent peak ratio that counts (default 3; None for no peak guard).
+        peak_ratio: x the recent peak excursion that counts (default 2; None for no peak
+            guard).
         peak_halflife: values over which the peak halves (default 1000).
-        min_jump: the smallest jump that counts, as a fraction of the highest median seen
-            (default 0.01).
+        min_jump: the smallest jump that counts, as a fraction of the run's scale (default
+            0.1).
+        floor: the floor of the log, as a fraction of the run's scale (default 0.01).
+        level_window: values in the level's median (default 16; refreshed every half of it).
+        lone_ratio: how much further out than the limit one value alone must be (default 2).
     """
 
     kind = "spike"
     _advice = "check the input batch at this step, lower the learning rate or clip gradients"
+    _SPREAD_K = 2.3262  # the 90th percentile of |x - y| for x, y ~ N(0, 1): 1.6449 * sqrt(2)
 
     def __init__(
-        self, window: int = 100, z: float = 20.0, min_ratio: float = 1.5,
-        warmup: int | None = None, name: str = "loss", peak_ratio: float | None = 3.0,
-        peak_halflife: int = 1000, min_jump: float = 0.01,
+        self, window: int = 64, z: float = 8.0, min_ratio: float = 2.0,
+        warmup: int | None = None, name: str = "loss", peak_ratio: float | None = 2.0,
+        peak_halflife: int = 1000, min_jump: float = 0.1, floor: float = 0.01,
+        level_window: int = 16, lone_ratio: float = 2.0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.window = check_int("window", window, minimum=3)
         self.z = check_number("z", z, minimum=0.0)
         self.min_ratio = check_number("min_ratio", min_ratio, minimum=1.0)
         warmup = check_int("warmup", warmup, minimum=3, allow_none=True)
-        self.warmup = max(3, self.window // 2) if warmup is None else warmup
+        self.warmup = min(16, self.window) if warmup is None else warmup
         if self.warmup > self.window:
             raise ValueError(f"'warmup' must be <= window ({window}), but got {_got(warmup)}.")
         self.name = _check_name(name)
@@ -119,119 +144,269 @@ class Spike(Detector):
         halflife = check_int("peak_halflife", peak_halflife, minimum=1)
         self._decay = 0.5 ** (1.0 / halflife)
         self.min_jump = check_number("min_jump", min_jump, minimum=0.0)
+        self.floor = check_number("floor", floor, minimum=0.0)
+        self.level_window = check_int("level_window", level_window, minimum=1)
+        self._every = max(1, self.level_window // 2)
+        self.lone_ratio = check_number("lone_ratio", lone_ratio, minimum=1.0)
+        self.steps_per_epoch: int | None = None  # when known, a recurring batch is told apart
         self.reset()
 
     def reset(self) -> None:
         super().reset()
-        self._level: deque[float] = deque(maxlen=self.window)
-        self._median = self._mad = math.nan
-        self._floor = 1e-12  # min_jump x the highest |median| seen
-        self._since = 0
-        self._peak = 0.0  # the recent peak of value / median
+        self._values: deque[float] = deque(maxlen=self.window)
+        self._scale = _RunScale(self.warmup)
+        self._f = 1e-12  # the floor of the log
+        self._median = math.nan  # the level
+        self._spread = 0.0  # in log units
+        self._peak = 0.0  # the recent peak excursion, in log units
+        self._limit = math.inf
+        self._since = 0  # values since the level was refreshed
+        self._since_spread = 0
+        self._held = 0  # values of the current episode
+        self._pending: tuple[int, float] | None = None  # a lone value over the limit
+        self._lone = math.inf  # the limit for one value alone
+        self._positions: dict[int, int] = {}  # batch position of a spike -> its last epoch
 
-    def _limit(self) -> float:
-        if len(self._level) < self.warmup:
-            return math.inf
-        spread = max(self.z * 1.4826 * self._mad, (self.min_ratio - 1) * abs(self._median))
-        limit = self._median + max(spread, self._floor)
-        if self.peak_ratio is not None and self._median > 0:
-            limit = max(limit, self.peak_ratio * self._peak * self._median)
-        return limit
-
+    # -- one value at a time (warming up, in an episode, or a batch with a value over the limit)
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):
             return None
-        limit = self._limit()
-        self._level.append(value)
-        self._since += 1
-        spike = value > limit
+        values = self._values
+        over = len(values) >= self.warmup and value > self._limit
+        recurs = over and self._recurs(step, epoch)
+        over = over and not recurs
+        first, fire = self._pending, None
+        if over and not self._active:
+            if first is not None or value > self._lone:  # high for two steps, or far up
+                fire, self._pending, self._active = first or (step, value), None, True
+            else:
+                self._pending = (step, value)  # one value over: a spike if the next is too
+        elif not over:
+            self._active = False
+            if first is not None:  # it came alone: a value of the stream's tail after all
+                self._pending = None
+                self._peak = max(self._peak, self._excursion(first[1]))
+        self._held = self._held + 1 if self._active else 0
         self._peak *= self._decay
-        if not spike and self._median > 0:
-            self._peak = max(self._peak, value / self._median)
-        # the median/MAD are refreshed every window/2 values: O(1) amortised per value
-        if self._since >= self.window // 2 or len(self._level) <= self.warmup:
+        if not (over or recurs) and values:
+            self._peak = max(self._peak, self._excursion(value))
+        if not self._scale.started:
+            self._scale.add((value,))
+        values.append(value)
+        self._since += 1
+        self._since_spread += 1
+        due = len(values) <= self.warmup or self._since >= self._every
+        if due and (not over or self._held >= self.window):  # held while the loss is high
             self._refresh()
-        if not self._edge(spike):
+        if fire is None:
             return None
-        seen = f"{self.name} jumped to {value:.6g} (recent median {self._median:.6g})"
-        return self._alert(step, epoch, seen, value)
+        at, jumped = fire
+        self._mark(at, epoch)
+        stayed = f", and {value:.6g} at step {step}" if at != step else ""
+        seen = f"{self.name} jumped to {jumped:.6g}{stayed} (recent level {self._median:.6g})"
+        return self._alert(at, epoch, seen, jumped)
+
+    def _excursion(self, value: float) -> float:
+        f = self._f
+        return math.log((value + f) / (self._median + f))
 
     def update_many(
         self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
     ) -> list[Alert]:
-        # The common case, a quiet batch: append it, and refresh the median/MAD once at its end.
-        if self._active or not values or len(self._level) < self.warmup:
-            return super().update_many(steps, values, epoch)
-        top = max(values)
-        if not (top <= self._limit() and math.isfinite(sum(values))):
-            return super().update_many(steps, values, epoch)
-        self._level.extend(values)
-        self._since += len(values)
-        self._peak *= self._decay ** len(values)
-        if self._median > 0:
-            self._peak = max(self._peak, top / self._median)
-        if self._since >= self.window // 2:
+        # The common case, a quiet batch: its values taken in runs up to the next refresh of
+        # the level, each run checked against the limit with one max().
+        found: list[Alert] = []
+        i, n = 0, len(values)
+        while i < n:
+            if self._active or self._pending is not None or len(self._values) < self.warmup:
+                alert = self.update(steps[i], values[i], epoch)
+                if alert is not None:
+                    found.append(alert)
+                i += 1
+                continue
+            if self._since >= self._every:  # due since an episode held the level
+                self._refresh()
+            end = min(n, i + self._every - self._since)
+            run = values[i:end]
+            top = max(run)
+            if not (top <= self._limit and math.isfinite(sum(run))):
+                for j in range(i, end):
+                    alert = self.update(steps[j], values[j], epoch)
+                    if alert is not None:
+                        found.append(alert)
+                i = end
+                continue
+            self._take_quiet(run, top)
+            i = end
+        return found
+
+    def _take_quiet(self, run: Sequence[float], top: float) -> None:
+        """Values all under the limit: as update() would take them, without a look at each."""
+        k = len(run)
+        decayed = self._peak * self._decay**k
+        f, level = self._f, self._median
+        if math.log((top + f) / (level + f)) > decayed:  # a new peak among them: value by value
+            peak = self._peak
+            for value in run:
+                peak = max(peak * self._decay, math.log((value + f) / (level + f)))
+            self._peak = peak
+        else:
+            self._peak = decayed
+        self._values.extend(run)
+        self._since += k
+        self._since_spread += k
+        if self._since >= self._every:
             self._refresh()
-        return []
+
+    def _refresh(self) -> None:
+        # the level: sorted() on 16 floats is several times faster than numpy's median
+        self._since = 0
+        values = self._values
+        recent = list(itertools.islice(values, max(0, len(values) - self.level_window), None))
+        median = self._median = _median(sorted(recent))
+        scale = self._scale
+        if not self._active:  # a level inside an episode is not the run's scale
+            scale.raise_to(median)
+        f = self._f = max(self.floor * scale.value, 1e-12)
+        n = len(values)
+        if n < self.warmup:
+            return
+        if n < self.window or self._since_spread >= self.window:  # (it moves slowly)
+            self._since_spread = 0
+            changes = np.abs(np.diff(np.log(np.fromiter(values, np.float64, n) + f)))
+            k = (n - 2) * 9 // 10  # the 90th percentile of the n - 1 changes
+            self._spread = float(np.partition(changes, k)[k]) / self._SPREAD_K
+        excess = max(math.log(self.min_ratio), self.z * self._spread)
+        if self.peak_ratio is not None:
+            excess = max(excess, self._peak + math.log(self.peak_ratio))
+        floor = median + self.min_jump * scale.value
+        self._limit = max((median + f) * math.exp(min(excess, 700.0)) - f, floor)
+        lone = min(excess + math.log(self.lone_ratio), 700.0)
+        self._lone = max((median + f) * math.exp(lone) - f, median + scale.value)
+
+    def _position(self, step: int, epoch: int | None) -> int | None:
+        spe = self.steps_per_epoch
+        return (step - 1) % spe if spe and epoch is not None else None
+
+    def _recurs(self, step: int, epoch: int | None) -> bool:
+        """Over the limit at the position of the last epoch's spike: a recurring batch."""
+        at = self._position(step, epoch)
+        if at is None or epoch is None or self._positions.get(at) != epoch - 1:
+            return False
+        self._positions[at] = epoch
+        return True
+
+    def _mark(self, step: int, epoch: int | None) -> None:
+        at = self._position(step, epoch)
+        if at is not None and epoch is not None:
+            self._positions[at] = epoch
+            if len(self._positions) > 16:  # the oldest forgotten
+                del self._positions[next(iter(self._positions))]
 
     def restart_level(self) -> None:
         """A rollback undid the steps behind the episode: end it, so the restored state is
         judged afresh (the same anomaly coming back fires again)."""
         self._active = False
+        self._held = 0
+        self._pending = None
 
     def alarm(self) -> float | None:
         """The limit a value must pass to fire (in an episode too: a value over it keeps
         the episode going); None while warming up."""
-        return None if len(self._level) < self.warmup else self._limit()
+        return None if len(self._values) < self.warmup else self._limit
 
     @property
     def warming_up(self) -> bool:
-        """True until ``warmup`` values are in: the relative rule cannot fire yet."""
-        return len(self._level) < self.warmup
-
-    def _refresh(self) -> None:
-        # sorted() on ~100 floats is several times faster than numpy's median at this size
-        self._since = 0
-        median = self._median = _median(sorted(self._level))
-        self._mad = _median(sorted([abs(v - median) for v in self._level]))
-        self._floor = max(self._floor, self.min_jump * abs(median))
+        """True until ``warmup`` values are in: it cannot fire yet."""
+        return len(self._values) < self.warmup
 
 
-class GradExplosion(Spike):
-    """Fires when the global gradient norm goes over ``factor`` x the median of the last
-    ``window`` norms (after ``warmup``) and over ``peak_ratio`` x the recent peak, or over
-    ``max_norm`` when given (from the first step). Clears on the first norm back under the
-    limit.
+class GradExplosion(Detector):
+    """Fires when the global gradient norm is far out of its running distribution: its log
+    over the running mean by more than ``z`` running standard deviations and ``factor`` x
+    (or over ``max_norm``, when given, from the first norm on). The mean and variance are
+    exponential moving averages of the log norm with weight ``alpha`` (the z-score that
+    ZClip clips at), started from the first ``warmup`` norms; a norm that fires, and every
+    norm of its episode, is kept out of them, so a blow-up does not teach the detector that
+    it is normal. The log makes the score a ratio: healthy norms swing by a factor from
+    batch to batch at any scale. Clears on the first norm back under the limit.
+
+    Fed at every step (``grad_every_n_steps=1``) it sees a blow-up at the gradient of the
+    step that causes it, before the loss of the next step shows it; fed sampled norms it
+    judges each sample against the ones before.
 
     Args:
-        window: norms in the rolling median (default 100).
-        factor: x median that counts (default 10: healthy norms swing 2-3x between batches).
-        warmup: norms needed before the relative rule applies (default 10, at most window).
+        z: standard deviations of the log norm to exceed (default 6).
+        factor: x the running mean that the norm must also exceed (default 10: healthy
+            norms of small batches swing several-fold from one batch to another, and a few
+            read far apart say little of their tail).
+        warmup: norms needed before the relative rule applies (default 5).
+        alpha: the weight of each new norm in the moving averages (default 0.1).
         max_norm: an absolute bound; None for none.
-        peak_ratio / peak_halflife: the peak guard, as for :class:`Spike` (default 3 and 100
-            norms: they are sampled every few steps).
+        min_std: the smallest standard deviation of the log norm used (default 0.3: norms
+            read 128 steps apart drift by more than the batch-to-batch noise of a few read
+            close together at the run's start, so 6 deviations are at least 6x).
     """
 
     kind = "grad_explosion"
     _advice = "clip gradients (clip_grad_norm), lower the learning rate or check the input batch"
 
     def __init__(
-        self, window: int = 100, factor: float = 10.0, warmup: int | None = None,
-        max_norm: float | None = None, peak_ratio: float | None = 3.0, peak_halflife: int = 100,
+        self, z: float = 6.0, factor: float = 10.0, warmup: int = 5, alpha: float = 0.1,
+        max_norm: float | None = None, min_std: float = 0.3,
     ) -> None:  # fmt: skip
+        super().__init__()
+        self.z = check_number("z", z, minimum=0.0)
         self.factor = check_number("factor", factor, minimum=1.0)
+        self.warmup = check_int("warmup", warmup, minimum=2)
+        self.alpha = _check_fraction("alpha", alpha, one=True)
         self.max_norm = check_number("max_norm", max_norm, minimum=0.0, allow_none=True)
-        window = check_int("window", window, minimum=3)
-        warmup = min(10, window) if warmup is None else warmup
-        super().__init__(
-            window=window, z=0.0, min_ratio=self.factor, warmup=warmup,
-            peak_ratio=peak_ratio, peak_halflife=peak_halflife,
-        )  # fmt: skip
+        self.min_std = check_number("min_std", min_std, minimum=0.0)
         self.name = "gradient norm"
+        self.reset()
 
-    def _limit(self) -> float:
-        limit = super()._limit()
+    def reset(self) -> None:
+        super().reset()
+        self._first: list[float] = []  # the first log norms, until warmup
+        self._mean = 0.0
+        self._var = 0.0
+
+    @property
+    def warming_up(self) -> bool:
+        """True until ``warmup`` norms are in: only ``max_norm`` can fire yet."""
+        return len(self._first) < self.warmup
+
+    def limit(self) -> float:
+        """The norm over which the next one fires (``inf`` while warming up without
+        ``max_norm``)."""
+        limit = math.inf
+        if not self.warming_up:
+            std = max(math.sqrt(self._var), self.min_std)
+            limit = math.exp(self._mean + max(self.z * std, math.log(self.factor)))
         return limit if self.max_norm is None else min(limit, self.max_norm)
+
+    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
+        if not math.isfinite(value):
+            return None
+        limit = self.limit()
+        explodes = value > limit
+        if not explodes and value > 0.0:  # (a zero norm: nothing flowed, nothing to learn)
+            x = math.log(value)
+            first = self._first
+            if len(first) < self.warmup:
+                first.append(x)
+                if len(first) == self.warmup:
+                    self._mean = sum(first) / len(first)
+                    self._var = sum((v - self._mean) ** 2 for v in first) / len(first)
+            else:
+                d = x - self._mean
+                self._mean += self.alpha * d
+                self._var = (1.0 - self.alpha) * (self._var + self.alpha * d * d)
+        if not self._edge(explodes):
+            return None
+        typical = math.exp(self._mean) if not self.warming_up else math.nan
+        seen = f"{self.name} jumped to {value:.6g} (running mean {typical:.6g})"
+        return self._alert(step, epoch, seen, value)
 
 
 class Divergence(Detector):
@@ -240,9 +415,11 @@ class Divergence(Detector):
     ``patience`` steps in a row. The best level is the lowest median of the last ``window``
     values seen after ``warmup`` steps, and the high tail is that window's 95th percentile:
     on a noisy loss (tiny batches, heavy-tailed targets) the limit rises with the noise,
-    while a real run-away, which moves every value, crosses it within a few steps. The
-    alert names the step where the level first went over; the episode clears when it is back
-    under the limit.
+    while a real run-away, which moves every value, crosses it within a few steps. The level
+    must also be over the best by ``min_jump`` x the run's loss scale (the mean of its first
+    16 values, or a higher level since): a loss that reached 0 and shows 1e-6 now and then
+    has not diverged. The alert names the step where the level first went over; the episode
+    clears when it is back under the limit.
 
     Args:
         factor: level over best that counts (default 2; schedule bumps are tens of percent).
@@ -251,6 +428,8 @@ class Divergence(Detector):
         level_window: values in the current level's median (default 9: one outlier, even
             four, does not move it).
         window: values behind the best level (default 100).
+        min_jump: the smallest rise over the best that counts, as a fraction of the run's
+            loss scale (default 0.1).
     """
 
     kind = "divergence"
@@ -258,7 +437,7 @@ class Divergence(Detector):
 
     def __init__(
         self, factor: float = 2.0, patience: int = 3, warmup: int = 100, level_window: int = 9,
-        window: int = 100,
+        window: int = 100, min_jump: float = 0.1,
     ) -> None:  # fmt: skip
         super().__init__()
         self.factor = check_number("factor", factor, minimum=1.0)
@@ -266,6 +445,7 @@ class Divergence(Detector):
         self.warmup = check_int("warmup", warmup, minimum=0)
         self.level_window = check_int("level_window", level_window, minimum=1)
         self.window = check_int("window", window, minimum=10)
+        self.min_jump = check_number("min_jump", min_jump, minimum=0.0)
         self.reset()
 
     def reset(self) -> None:
@@ -275,12 +455,15 @@ class Divergence(Detector):
         self._seen = self._since = self._over = 0
         self._best = self._tail = math.inf
         self._first_over = 0
+        self._scale = _RunScale()
 
     def update_many(
         self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
     ) -> list[Alert]:
         # The common case, a quiet batch once warm: every step's level in one numpy call.
         k, n = self.level_window, len(values)
+        if not self._scale.started:
+            self._scale.add(values)
         warm = self._seen > self.warmup and len(self._values) == self.window
         if not warm and n and math.isfinite(sum(values)):
             seen = self._seen + n
@@ -292,8 +475,7 @@ class Divergence(Detector):
                 return []
         if not (warm and n and not self._over and math.isfinite(sum(values))):
             return super().update_many(steps, values, epoch)
-        best = self._best
-        limit = max(best + (self.factor - 1.0) * abs(best), self._tail) + 1e-12
+        limit = self._limit()
         # no value over the limit: no median over it (cheap); else every step's median
         if max(values) > limit or (self._recent and max(self._recent) > limit):
             tail = np.fromiter(itertools.chain(self._recent, values), dtype=np.float64)
@@ -310,10 +492,17 @@ class Divergence(Detector):
             self._refresh()
         return []
 
+    def _limit(self) -> float:
+        best = self._best
+        rise = max((self.factor - 1.0) * abs(best), self.min_jump * self._scale.value)
+        return max(best + rise, self._tail) + 1e-12
+
     def _refresh(self) -> None:
         self._since = 0
         ordered = sorted(self._values)
         median = _median(ordered)
+        if not (self._over or self._active):  # a level of a run-away is not the run's scale
+            self._scale.raise_to(median)
         if median < self._best:
             self._best, self._tail = median, ordered[min(len(ordered) - 1, len(ordered) * 19 // 20)]
 
@@ -324,8 +513,7 @@ class Divergence(Detector):
             return None
         if self._over and not self._active:
             return -math.inf
-        best = self._best
-        return max(best + (self.factor - 1.0) * abs(best), self._tail) + 1e-12
+        return self._limit()
 
     def restart_level(self) -> None:
         """Forget the current level (after a rollback undid the steps it came from); the best
@@ -337,6 +525,8 @@ class Divergence(Detector):
     def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(value):
             return None
+        if not self._scale.started:
+            self._scale.add((value,))
         self._recent.append(value)
         self._values.append(value)
         self._seen += 1
@@ -347,7 +537,7 @@ class Divergence(Detector):
             self._refresh()
         level = sorted(self._recent)[len(self._recent) // 2]
         best = self._best
-        limit = max(best + (self.factor - 1.0) * abs(best), self._tail) + 1e-12
+        limit = self._limit()
         if level > limit:
             self._over += 1
             if self._over == 1:
@@ -404,6 +594,7 @@ class Plateau(Detector):
         self._history: deque[float] = deque(maxlen=self.patience + 1)
         self._fired_at = math.nan
         self._start = math.nan
+        self._first = _RunScale(16)  # the mean of the first losses
         self._zero_lr = 0
         self._lr_episode = False
 
@@ -420,14 +611,16 @@ class Plateau(Detector):
                 return self._alert(at, epoch, seen, 0.0)
         if not math.isfinite(value):
             return None
+        if not self._first.started:
+            self._first.add((value,))
         self._sum += self.alpha * (value - self._sum)
         self._weight += self.alpha * (1.0 - self._weight)
         smooth = self._sum / self._weight
         rel = self.min_rel_improvement
         if self._weight < 0.5:  # the first ~0.7/alpha values: the EMA is not settled yet
             return None
-        if math.isnan(self._start):
-            self._start = smooth
+        if math.isnan(self._start):  # (a loss that fell fast started higher than its EMA)
+            self._start = max(smooth, self._first.value)
         if self._active:
             if smooth >= self._fired_at - 2 * rel * abs(self._fired_at):
                 return None

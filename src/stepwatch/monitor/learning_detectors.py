@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from .._validation import check_int, check_number
-from ._detector import Alert, Detector, _check_fraction
+from ._detector import Alert, Detector, _check_fraction, _RunScale
 
 __all__ = ["LrNegligible", "NotLearning", "RecurringBatch", "WorseThanChance"]
 
@@ -31,8 +31,9 @@ def _chance(classes: int | None) -> float | None:
 
 
 class _Levels:
-    """The loss's start (median of its first ``window`` values) and its current level (median
-    of the last ``window``)."""
+    """The loss's start (the mean of its first ``window`` values: a loss that falls to 0 within
+    them still started where it started) and its current level (median of the last
+    ``window``)."""
 
     def __init__(self, window: int) -> None:
         self.first: list[float] = []
@@ -50,7 +51,7 @@ class _Levels:
     def start(self) -> float:
         if not math.isnan(self._start):
             return self._start
-        start = _median(self.first) if self.first else math.nan
+        start = sum(self.first) / len(self.first) if self.first else math.nan
         if len(self.first) == self.recent.maxlen:
             self._start = start  # the first window is full: the start no longer moves
         return start
@@ -63,7 +64,7 @@ class NotLearning(Detector):
     """Fires when, ``patience`` steps in, the loss level (the median of the last ``window``
     losses) is still at the task's chance level - within ``tolerance`` of ln(classes), for a
     classifier - or has come down less than ``min_improvement`` (relative) from its start
-    (the median of the first ``window``). Clears when the level is below both.
+    (the mean of the first ``window``). Clears when the level is below both.
 
     Args:
         patience: steps before it judges (default 300).
@@ -244,13 +245,17 @@ class WorseThanChance(Detector):
     def reset(self) -> None:
         super().reset()
         self.start: float | None = None
+        self._first = _RunScale(16)
         self._over = 0
 
     def see_start(self, losses: Sequence[float]) -> None:
-        """The run's first step losses: their median is the starting level."""
-        finite = [v for v in losses if math.isfinite(v)]
-        if self.start is None and finite:
-            self.start = _median(finite)
+        """The run's first step losses, until 16 are in: their mean is the starting level (a
+        loss that falls to 0 within them still started where it started)."""
+        first = self._first
+        if self.start is None:
+            first.add(losses)
+            if first.started:
+                self.start = first.value
 
     def update(self, step: int, loss: float, epoch: int | None = None) -> Alert | None:
         if not math.isfinite(loss):
@@ -286,8 +291,9 @@ class RecurringBatch(Detector):
         factor: x the recent median that counts as an outlier (default 3).
         patience: consecutive epochs (default 3).
         window: losses in the median (default 32).
-        min_jump: the jump must also be over this fraction of the highest median seen
-            (default 0.01), as for :class:`~stepwatch.monitor.detectors.Spike`.
+        min_jump: the jump must also be over this fraction of the run's loss scale (the
+            mean of its first 16 losses, or a higher median since; default 0.1), as for
+            :class:`~stepwatch.monitor.detectors.Spike`.
         significance: on a heavy-tailed loss some position repeats by luck; the streak must
             also be unlikely by chance: (steps per epoch) x (outlier rate of the last epoch)
             ** (epochs in a row) under this (default 1e-3), so a run with many outliers needs
@@ -302,7 +308,7 @@ class RecurringBatch(Detector):
     _MAX_POSITIONS = 1000  # outlier positions tracked at once
 
     def __init__(
-        self, factor: float = 3.0, patience: int = 3, window: int = 32, min_jump: float = 0.01,
+        self, factor: float = 3.0, patience: int = 3, window: int = 32, min_jump: float = 0.1,
         significance: float = 1e-3,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -319,7 +325,7 @@ class RecurringBatch(Detector):
         self._recent: deque[float] = deque(maxlen=self.window)
         self._median = math.nan
         self._limit = math.inf
-        self._floor = 0.0
+        self._scale = _RunScale(16)
         self._since = 0
         self._epoch: int | None = None
         self._epoch_start = 0
@@ -352,6 +358,8 @@ class RecurringBatch(Detector):
                     if alert is not None:
                         found.append(alert)
         n = len(values)
+        if not self._scale.started:
+            self._scale.add(values)
         self._steps += n
         self._since += n
         if math.isfinite(sum(values)):
@@ -362,8 +370,8 @@ class RecurringBatch(Detector):
         if self._since >= self.window // 2 and len(recent) == recent.maxlen:
             self._since = 0
             median = self._median = _median(recent)
-            self._floor = max(self._floor, self.min_jump * abs(median))
-            limit = max(self.factor * median, median + self._floor)
+            self._scale.raise_to(median)
+            limit = max(self.factor * median, median + self.min_jump * self._scale.value)
             self._limit = limit if median > 0 else math.inf
         return found
 

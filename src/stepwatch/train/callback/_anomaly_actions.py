@@ -127,7 +127,9 @@ class StateKeeper:
         self._targets: dict[str, int] = {}  # kind -> the copy its last rollback went to
 
     def maybe_keep(self, step: int) -> None:
-        if step % self.every:
+        """Copy the state of ``step`` (its update done): at the run's first step and at the
+        multiples of ``every``."""
+        if step % self.every and self.states:
             return
         self.states = [*self.states[1 - self.keep :], (step, self.state.capture())]
 
@@ -251,6 +253,7 @@ class Actions:
         self._view: RunView | None = None
         self._window: Callable[[], dict[str, list[Any]]] = dict
         self._rolled_back: Callable[[int], None] = _nothing
+        self.ending = False  # the run is ending: no step is left after what is read now
 
     def begin(
         self,
@@ -311,6 +314,13 @@ class Actions:
             stopping = _stop(alert, run_context)
             return f"{host} cannot restore weights and optimizer mid-run, {stopping}"
         now = run_context.original_args().cur_step_num
+        view = self._view
+        planned = view.epochs * view.steps_per_epoch if view is not None else 0
+        if self.ending or 0 < planned <= now:  # the run's last step: none left after it
+            return (
+                f"not rolled back: the run ended at step {now}, no step is left to go on "
+                f"from (the weights are step {now}'s)"
+            )
         at, tried = rollback.roll(alert, now)
         if at is None:
             stopping = _stop(alert, run_context)

@@ -108,8 +108,8 @@ class Clock:
             tap.set_alarm(self, math.inf)  # a non-finite host loss, on its step from step 1
         if grads:
             self.grads_at(start + 1)  # the first step's gradients
-        if keep_every:
-            tap.call_at((start // keep_every + 1) * keep_every, self._keep)
+        if keep_every:  # a copy after the first step, so a spike at step 50 has one before it
+            tap.call_at(start + 1, self._keep)
         if classes:
             tap.call_at(start + 1, self._classes)
 
@@ -135,21 +135,21 @@ class Clock:
         assert self._looks is not None
         self._looks.look(step)
 
-    def retune(self, level: Callable[[], float | None]) -> None:
-        """Losses read on the host as they come (a CPU run of one process): once every
-        detector fed each batch says what it must see at once (``level()``: the smallest
-        value that could fire one, or None while one cannot say), read batches of
-        READ_EVERY_HOST steps, and let the tap's alarm hand such a value over on its step."""
+    def retune(self, level: Callable[[], tuple[float, bool]]) -> None:
+        """Losses read on the host as they come (a CPU run of one process): ``level()`` is
+        the smallest value that could fire a detector fed each batch, among those that can
+        say, and whether all can. The tap's alarm hands such a value over on its step (a
+        spike at step 50 is read at step 50 while a slower detector still warms up); once all
+        can say, the losses are read in batches of READ_EVERY_HOST steps."""
         view = self._view
         if view is None or not (self._may_alarm and self._host_losses) or view.world > 1:
             return
-        now = level()
-        batched = now is not None
+        now, batched = level()
         if batched != self._batched:
             self._batched = batched
             view.tap.unsubscribe(self._take)
             view.tap.subscribe(READ_EVERY_HOST if batched else READ_EVERY, self._take)
-        self.level = now if now is not None else math.inf  # else non-finite only
+        self.level = now
         view.tap.set_alarm(self, self.level)
 
     # -- the gradients --------------------------------------------------------------------------

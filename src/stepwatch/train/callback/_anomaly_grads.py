@@ -378,7 +378,9 @@ class GradientWatch:
                 nonfinite = None  # the same episode, raised from the loss already
         explosion = self.explosion.update(step, total, epoch) if self.explosion else None
         found = [nonfinite, explosion]
-        if math.isfinite(total):
+        # a norm of exactly 0 (a loss of exactly 0: nothing flowed back) says nothing of dead
+        # units or vanishing layers
+        if math.isfinite(total) and total > 0.0:
             if self.vanishing is not None:
                 found.append(self.vanishing.update(step, norms, epoch))
             if self.dying is not None:

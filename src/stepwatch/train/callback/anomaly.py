@@ -108,12 +108,14 @@ class AnomalyMonitor(Callback):
       recent window of step losses and gradient statistics as JSON, into ``snapshot_dir``.
     - ``'reduce_lr'``: multiply every learning rate by ``lr_factor``.
     - ``'rollback'``: restore the network, optimizer, LR schedule and loss scale to the newest
-      copy taken before the anomaly's step (copies are kept in memory every
-      ``rollback_every`` steps, the newest ``min(max_rollbacks, 3) + 1``), and go on with the
-      next batches: the batches between the copy and the alert are skipped. When the same
-      kind of alert comes back, the copy was already bad: the next rollback goes to an older
-      one. At most ``max_rollbacks`` per run; after that, or with no copy left to try, the
-      action stops the run.
+      copy taken before the anomaly's step (copies are kept in memory after the first step
+      and every ``rollback_every`` steps, the newest ``min(max_rollbacks, 3) + 1``), and go on
+      with the next batches: the batches between the copy and the alert are skipped. When
+      the same kind of alert comes back, the copy was already bad: the next rollback goes to
+      an older one. At most ``max_rollbacks`` per run; after that, or with no copy left to
+      try, the action stops the run. An alert read as the run ends (its last steps are
+      judged before its status is written) is not rolled back: no step is left to go on
+      from, and the outcome says so.
     - a callable ``fn(alert, run_context)``.
 
     Args:
@@ -136,7 +138,7 @@ class AnomalyMonitor(Callback):
             the run's clock does both). The gradient detectors' patience counts
             measurements; while one of them has seen its condition but not yet for its whole
             patience, they come every 5 steps, and every 10 until the explosion detector has
-            its first 10 norms.
+            its first 5 norms.
         max_rollbacks: rollbacks allowed in one run (default 3).
         rollback_every: steps between the in-memory copies kept for ``'rollback'`` (default
             50; kept only when some kind's action is ``'rollback'``).
@@ -345,6 +347,8 @@ class AnomalyMonitor(Callback):
 
     def on_train_epoch_end(self, run_context: RunContext) -> None:
         p = run_context.original_args()
+        planned = self._view.epochs if self._view is not None else 0
+        self._actions.ending = bool(planned) and p.cur_epoch_num >= planned  # the last epoch
         self._read_all(run_context)
         if self._overfitting is None and self._chance is None and not self._epoch_thresholds:
             return
@@ -367,6 +371,10 @@ class AnomalyMonitor(Callback):
                 self._actions.raise_(alert, run_context)
 
     def on_train_end(self, run_context: RunContext) -> None:
+        # every step is judged before the run's status is written (the recorders come after
+        # this monitor): the last partial batch of steps too, its alerts acted on - but no
+        # step is left to go on from, so a rollback says it cannot be done
+        self._actions.ending = True
         self._read_all(run_context)
         never = sorted(
             {d.name for d in self._epoch_thresholds} - self._thresholds_seen - self._warned_names
@@ -587,18 +595,17 @@ class AnomalyMonitor(Callback):
     def _set_alarm(self) -> None:
         self._clock.retune(self._alarm_level)
 
-    def _alarm_level(self) -> float | None:
+    def _alarm_level(self) -> tuple[float, bool]:
         """The smallest loss that could fire a detector fed each batch (or a trend detector
-        waiting for a value), or None while one of them cannot say."""
+        waiting for a value) among those that can say, and whether all of them can."""
         levels = [getattr(d, "alarm", _no_alarm)() for d in self._fast]
-        if None in levels:
-            return None
-        level = min(levels, default=math.inf)
+        known = [level for level in levels if level is not None]
+        level = min(known, default=math.inf)
         for detector in self._slow_alarms:  # a trend detector waiting for a value
             wants = detector.alarm()
             if wants is not None and wants < level:
                 level = wants
-        return level
+        return level, len(known) == len(levels)
 
     def _feed_slow(self) -> list[Alert]:
         """The trend detectors' share: every step loss since they last looked, in one call
