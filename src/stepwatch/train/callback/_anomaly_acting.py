@@ -12,6 +12,7 @@ from typing import Any
 
 from ...monitor.detectors import Alert, Detector
 from ...view.run import RunView, view_of
+from ..serialization import writes_here
 from ._anomaly_actions import StateKeeper, reduce_lr_outcome, snapshot_outcome
 from ._callback import RunContext
 
@@ -81,7 +82,7 @@ class Acting:
         if action == "reduce_lr":
             return reduce_lr_outcome(p, self.lr_factor)
         if action == "snapshot":
-            if self._rank != 0:
+            if not writes_here(p):  # a sharded run's snapshot: every rank writes its shards
                 return "snapshot written by rank 0"
             window = self._window()
             return snapshot_outcome(self.snapshot_dir, alert, p, window)

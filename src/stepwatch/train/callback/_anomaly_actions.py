@@ -22,7 +22,7 @@ from ...monitor.detectors import DETECTORS, Alert
 from ...view.host import StateControl
 from ...view.run import view_of
 from ..resume import build_checkpoint
-from ..serialization import write_atomic
+from ..serialization import write_checkpoint
 
 __all__ = [
     "ACTIONS", "ActivationStats", "GradStats", "StateKeeper", "check_actions",
@@ -344,7 +344,9 @@ def write_snapshot(
         path = save(folder / stem)
     else:
         checkpoint = build_checkpoint(cb_params, epoch_complete=False)
-        path = write_atomic(checkpoint, folder / f"{stem}.pt")
+        path = write_checkpoint(checkpoint, folder / f"{stem}.pt")  # sharded: every rank
+        if cb_params.rank_id != 0:
+            return path
 
     def clean(value: Any) -> Any:
         return value if not isinstance(value, float) or math.isfinite(value) else str(value)
