@@ -44,7 +44,7 @@ def _warn_once(key: str, message: str) -> None:
 def prepare(parts: Parts, train_dataset: Any, valid_dataset: Any) -> tuple[Any, Any]:
     """Wrap the network (once; a sharded network is not wrapped) and give this rank its
     share of the datasets."""
-    if parts.ddp is None and not check_sharding(parts.network, rank_and_world()[1]):
+    if parts.ddp is None and not is_sharded(parts.network):  # FSDP2 reduces the gradients
         compiled = parts.step.forward_network
         parts.ddp = wrap(compiled if compiled is not None else parts.network, parts.device)
     train = shard(train_dataset, "train_dataset", pad=True)

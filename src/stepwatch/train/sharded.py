@@ -21,8 +21,10 @@ sharded checkpoint restores through the same ``load_state_dict`` calls as any ot
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +139,9 @@ def stash(obj: Any) -> Any:
 
 def unstash(obj: Any) -> Any:
     """``obj`` with each :class:`LocalShard` made a DTensor again, on its mesh's device, from a
-    fresh copy of the shard (so a copy can be restored more than once). No collective."""
+    fresh copy of the shard, and every other tensor copied too (an optimizer's
+    ``load_state_dict`` keeps the tensors it is given, and updates them in place): the copy
+    can be restored more than once. No collective."""
     if isinstance(obj, LocalShard):
         from torch.distributed.tensor import DTensor
 
@@ -150,6 +154,8 @@ def unstash(obj: Any) -> Any:
             shape=obj.shape,
             stride=obj.stride,
         )
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
     if isinstance(obj, dict):
         return {k: unstash(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -187,8 +193,11 @@ def split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     tensors: dict[str, Any] = {}
     skeleton = dict(state)
     for part in SHARDED_PARTS:
-        if state.get(part) is not None:
-            skeleton[part] = _refs(unstash(state[part]), part, tensors)
+        value = state.get(part)
+        if value is not None:
+            if has_local_shards(value):
+                value = unstash(value)
+            skeleton[part] = _refs(value, part, tensors)
     return skeleton, tensors
 
 
@@ -222,12 +231,23 @@ def save_shards(tensors: dict[str, Any], path: Path) -> str:
     folder = [str(path.parent / f"{path.name}{SHARDS_SUFFIX}{secrets.token_hex(4)}")]
     if is_distributed():
         torch.distributed.broadcast_object_list(folder, src=0)
-    dcp.save(
-        tensors,
-        storage_writer=dcp.FileSystemWriter(folder[0]),
-        no_dist=not is_distributed(),
-    )
+    with _one_process_quietly():
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(folder[0]),
+            no_dist=not is_distributed(),
+        )
     return Path(folder[0]).name
+
+
+@contextlib.contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """torch.distributed.checkpoint warns that it assumes one process when there is no
+    process group, even when told so (``no_dist``): in one process that is what is meant."""
+    with warnings.catch_warnings():
+        if not is_distributed():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def remove_shard_folders(path: Path, keep: str | None = None) -> None:
@@ -279,7 +299,8 @@ def load_shards(
                 device = like.device if like is not None else torch.device("cpu")
                 template[key] = torch.empty(tuple(meta.size), dtype=dtype, device=device)
     try:
-        dcp.load(template, storage_reader=reader, no_dist=not is_distributed())
+        with _one_process_quietly():
+            dcp.load(template, storage_reader=reader, no_dist=not is_distributed())
     except Exception as exc:
         raise ValueError(f"{where}: its shards cannot be read into this network: {exc}") from exc
     loaded = dict(state)
