@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
-from stepwatch import load_checkpoint
+from stepwatch import Store, load_checkpoint
 from stepwatch.train.serialization import read_checkpoint
 
 from ._fsdp_worker import STOP_AT, make_mlp
 from .test_distributed import _finish, _free_port
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 
 def _launch(scenario: str, out: Path) -> list[subprocess.Popen[str]]:
@@ -176,3 +179,37 @@ def test_a_tensor_parallel_layout_is_refused_naming_the_network(runs: dict[str, 
     message = runs["train"][0]["tp_error"]
     assert message.startswith("'network' parameter '0.weight' is a DTensor laid out as")
     assert "stepwatch.watch" in message
+
+
+def test_the_fsdp_example_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    example = ROOT / "examples" / "fsdp_model.py"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(example), "out"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:  # past the deadline: its workers first, each by its PID
+            for worker in psutil.Process(launcher.pid).children(recursive=True):
+                os.kill(worker.pid, signal.SIGKILL)
+            launcher.kill()
+            launcher.communicate()
+    assert launcher.returncode == 0, err[-3000:]
+    assert out.count("Eval result: epoch 3") == 1  # rank 0 prints, once
+    assert out.count("Eval result: epoch 4") == 1  # the resumed run's epoch
+    final = float(out.split("after epoch 4: {'mae': ")[1].split("}")[0])
+    first = float(out.split("Eval result: epoch 1, metrics: {'mae': ")[1].split("}")[0])
+    assert final < first / 2
+    assert "holds state for callbacks" not in err  # the resumed run took every callback's state
+    folder = tmp_path / "out"
+    pairs = sorted(p.name for p in folder.glob("fsdp-*.pt") if p.name != "fsdp-last.pt")
+    assert pairs == ["fsdp-4_14.pt", "fsdp-4_28.pt"]  # the series went on, two kept
+    assert len(list(folder.glob("fsdp-*.pt.shards-*"))) == 2  # one shards folder each
+    assert [r.status for r in Store(folder / "runs.db").runs()] == ["finished"]
