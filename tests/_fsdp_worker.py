@@ -44,11 +44,16 @@ def make_data(rows: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ w * 0.3
 
 
-def shard(net: nn.Module, per_layer: bool) -> nn.Module:
+def shard(net: nn.Module, per_layer: bool, hybrid: bool = False) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    # HSDP: replicated over the first dimension, sharded over the second.
+    if hybrid:
+        mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     if per_layer:
         for layer in net:
             if isinstance(layer, nn.Linear):
@@ -127,19 +132,25 @@ def scenario_train(out: Path, rank: int) -> dict[str, Any]:
             if norm is not None:
                 self.norms.append(float(norm))
 
-    # 1. The same network and data: DDP, sharded whole, sharded per layer; plain and clipped.
-    for kind in ("ddp", "whole", "layer", "ddp_clip", "layer_clip"):
+    # 1. The same network and data: DDP, sharded whole, per layer, HSDP; plain steps, clipped
+    # ones and accumulated ones.
+    kinds = ("ddp", "whole", "layer", "hsdp", "ddp_clip", "layer_clip", "ddp_acc", "layer_acc")
+    for kind in kinds:
         net = make_mlp(0)
-        if kind != "ddp" and not kind.startswith("ddp"):
-            net = shard(net, per_layer=kind.startswith("layer"))
-        clip = {"clip_grad_norm": 0.5} if kind.endswith("clip") else {}
+        if not kind.startswith("ddp"):
+            net = shard(net, per_layer=kind.startswith("layer"), hybrid=kind == "hsdp")
+        options: dict[str, Any] = {}
+        if kind.endswith("clip"):
+            options["clip_grad_norm"] = 0.5
+        if kind.endswith("acc"):
+            options["accumulate_grad_batches"] = 2
         model = Model(
             net,
             nn.MSELoss(),
             torch.optim.SGD(net.parameters(), lr=0.05),
             metrics={"mae"},
             device="cpu",
-            **clip,
+            **options,
         )
         norms = Norms()
         history = model.train(2, NumpySlicesDataset((x, y)).batch(8), callbacks=[norms])

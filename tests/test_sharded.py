@@ -90,12 +90,13 @@ def test_a_sharded_network_trains_as_the_same_network_under_ddp(runs: dict[str, 
         result = runs["train"][rank]
         ddp = result["ddp"]["loss"]
         assert ddp[-1] < ddp[0] / 4  # it learns
-        for kind in ("whole", "layer"):
+        for kind in ("whole", "layer", "hsdp"):
             sharded = result[kind]["loss"]
             assert not result[kind]["ddp"]  # no DistributedDataParallel over the shards
             assert sharded[-1] == pytest.approx(ddp[-1], rel=0.02)
             assert sharded == pytest.approx(ddp, rel=1e-4)  # in fact the same run
         assert result["layer_clip"]["loss"] == pytest.approx(result["ddp_clip"]["loss"], rel=1e-4)
+        assert result["layer_acc"]["loss"] == pytest.approx(result["ddp_acc"]["loss"], rel=1e-4)
         # The clipped step's global norm is the whole model's, as DDP's is.
         assert len(result["layer_clip"]["norms"]) == 5
         assert result["layer_clip"]["norms"] == pytest.approx(result["ddp_clip"]["norms"], 1e-5)
