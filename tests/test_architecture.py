@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.plotting",
         "stepwatch.dashboard.*",
     ),
+    ("stepwatch.train.sharded",),  # a sharded network's state, under every saver of it
     ("stepwatch.train.metrics", "stepwatch.train.serialization", "stepwatch.train.step"),
     ("stepwatch.train.state",),
     ("stepwatch.train.resume", "stepwatch.train.checks"),

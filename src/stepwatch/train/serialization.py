@@ -176,15 +176,18 @@ def write_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Pat
     state of a sharded network (``state['sharded']``), every rank's shards into a new folder
     beside it and then rank 0's file naming that folder; the folders of the file it replaced
     are deleted. A sharded save is a collective: every rank calls it, with rank 0's ``path``
-    the one used (a folder every rank can reach)."""
+    the one used (a folder every rank can reach), and it returns once the file is written."""
     target = Path(path)
     if not state.get("sharded"):
         return write_atomic(state, target)
     skeleton, tensors = sharded.split(state)
     folder = sharded.save_shards(tensors, target)
-    if rank_and_world()[0] == 0:
+    rank, world = rank_and_world()
+    if rank == 0:
         write_atomic({**skeleton, "shards": folder}, target)
         sharded.remove_shard_folders(target, keep=folder)
+    if world > 1:
+        torch.distributed.barrier()  # on every rank, the file is there once this returns
     return target
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,7 +57,9 @@ _REF = "__shard__"
 
 
 def _dtensor_type() -> type | None:
-    if not torch.distributed.is_available():
+    """DTensor, or None while nobody imported it (then no tensor is one, and a run that
+    shards nothing does not pay for the import)."""
+    if "torch.distributed.tensor" not in sys.modules or not torch.distributed.is_available():
         return None
     from torch.distributed.tensor import DTensor
 
