@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
         "stepwatch.plotting",
         "stepwatch.dashboard.*",
     ),
+    ("stepwatch.train.sharded",),  # a sharded network's state, under every saver of it
     (
         "stepwatch.train.metrics",
         "stepwatch.train.serialization",

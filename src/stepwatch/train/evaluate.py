@@ -11,7 +11,7 @@ from ..dataset import check_batch, dataset_size, feed, move
 from ..monitor import values as names
 from .callback._callback import CallbackList, CallbackParams, RunContext
 from .eval_indexes import called_with, eval_inputs, pick_outputs
-from .parallel import reduce_epoch
+from .parallel import extra_forwards, reduce_epoch
 from .parts import LOSS_CHUNK, Parts, evaluate_metric, fold_losses
 from .step import cast_floats
 
@@ -69,6 +69,9 @@ def eval_pass(
     pending: list[torch.Tensor] = []
     total: torch.Tensor | None = None
     steps = 0
+    # A sharded network: every rank runs as many forwards (each gathers the parameters).
+    extra = extra_forwards(network, batch_num) if cb_params.device_number > 1 else 0
+    data: Any = None
     was_training = network.training
     network.eval()
     try:
@@ -122,6 +125,10 @@ def eval_pass(
                     call("on_eval_step_end", run_context)
                 if stoppable and run_context.stop_requested:
                     break
+            if extra and steps == batch_num:
+                with amp:
+                    for _ in range(extra):
+                        feed(network, data)  # joins the other ranks' gathers; not counted
         total = fold_losses(total, pending)
         loss_sum = float(total) if total is not None and steps else None
         if cb_params.device_number > 1:

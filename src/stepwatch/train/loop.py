@@ -32,6 +32,7 @@ from .evaluate import eval_in_fit
 from .parallel import epoch_results
 from .parts import Parts, RunPlan, evaluate_metric
 from .resume import find_resume_point, skip_then_restore
+from .sharded import full_value  # a sharded network's norm is a DTensor
 from .state import rng_state, set_rng_state
 from .step import cast_floats, found_inf
 
@@ -389,7 +390,7 @@ def _optimizer_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     if clip_norm is not None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm, foreach=True)
+        grad_norm = full_value(torch.nn.utils.clip_grad_norm_(params, clip_norm, foreach=True))
     elif clip_value is not None:
         torch.nn.utils.clip_grad_value_(params, clip_value, foreach=True)
     overflow = None

@@ -30,7 +30,7 @@ from .eval_indexes import check_eval_indexes
 from .evaluate import eval_pass
 from .loop import run
 from .metrics import build_metrics
-from .parallel import prepare, shard
+from .parallel import check_sharding, prepare, shard
 from .parts import Parts, RunPlan, new_cb_params
 from .step import LossScaleManager, build_step_options
 
@@ -75,7 +75,9 @@ class Model:
 
     Under ``torch.distributed`` (torchrun) the same calls train data-parallel: the network is
     wrapped in DistributedDataParallel, a NumpySlicesDataset is split across the ranks, and the
-    epoch loss and metrics are reduced across them (see :mod:`stepwatch.train.parallel`).
+    epoch loss and metrics are reduced across them (see :mod:`stepwatch.train.parallel`). A
+    network sharded with FSDP2's ``fully_shard`` (whole or per layer) is trained as it is,
+    with no DDP wrapper; its checkpoints are written by every rank, each its own shards.
 
     Raises:
         TypeError: an argument has the wrong type (a class instead of an instance too).
@@ -487,6 +489,8 @@ class Model:
                 "Model.train()/fit() needs an optimizer: create the Model with "
                 "optimizer=torch.optim.SGD(network.parameters(), lr=...) or another optimizer."
             )
+        if world > 1:
+            check_sharding(self._network, world)  # a layout Model can split the data for
         batch_num = dataset_size(train_dataset, "train_dataset")
         check_schedule(self._parts.step, epoch - initial_epoch, batch_num)
         check_first_batch(train_dataset, "train_dataset", self._loss_fn is not None)

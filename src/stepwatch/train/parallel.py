@@ -4,6 +4,11 @@ up (``torchrun``, or any launcher that calls ``torch.distributed.init_process_gr
 * The network is wrapped in ``DistributedDataParallel`` once (left as it is when the user
   wrapped it); the wrapper does the forward and backward, the bare module is what callbacks
   and checkpoints see.
+* A network the user sharded with FSDP2's ``fully_shard`` (whole or per layer, over a mesh of
+  every rank: ``init_device_mesh(device, (world,))``, or HSDP's ``(replicas, shards)``) is
+  left as it is: FSDP2 gathers its parameters and averages its gradients, as DDP would. Its
+  checkpoints are written shard by shard (:mod:`stepwatch.train.sharded`); every evaluation
+  pass runs as many forwards on every rank (FSDP2 gathers the parameters in each).
 * A ``NumpySlicesDataset`` is split into disjoint per-rank shares (see
   :meth:`~stepwatch.NumpySlicesDataset.for_rank`); a ``DataLoader`` without a
   ``DistributedSampler`` gets one warning (every rank would train on every batch).
@@ -21,10 +26,11 @@ from typing import Any
 import torch
 
 from ..dataset import NumpySlicesDataset
-from ..distributed import broadcast_int, rank_and_world, sum_across, wrap
+from ..distributed import all_gather_rows, broadcast_int, rank_and_world, sum_across, wrap
 from .parts import Parts, evaluate_metric
+from .sharded import is_sharded
 
-__all__ = ["epoch_results", "prepare", "reduce_epoch", "shard"]
+__all__ = ["check_sharding", "epoch_results", "extra_forwards", "prepare", "reduce_epoch", "shard"]
 
 _warned: set[str] = set()
 
@@ -36,13 +42,73 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def prepare(parts: Parts, train_dataset: Any, valid_dataset: Any) -> tuple[Any, Any]:
-    """Wrap the network (once) and give this rank its share of the datasets."""
-    if parts.ddp is None:
+    """Wrap the network (once; a sharded network is not wrapped) and give this rank its
+    share of the datasets."""
+    if parts.ddp is None and not is_sharded(parts.network):  # FSDP2 reduces the gradients
         compiled = parts.step.forward_network
         parts.ddp = wrap(compiled if compiled is not None else parts.network, parts.device)
     train = shard(train_dataset, "train_dataset", pad=True)
     valid = shard(valid_dataset, "valid_dataset", pad=False) if valid_dataset is not None else None
     return train, valid
+
+
+def check_sharding(network: Any, world: int) -> bool:
+    """True when ``network`` is sharded with FSDP2 in a layout ``Model`` trains data-parallel
+    (each rank a share of the data): every DTensor parameter under ``fully_shard``, on a mesh
+    of all ``world`` ranks, sharded on it (or replicated, then sharded: HSDP). False when no
+    parameter is a DTensor.
+
+    Raises:
+        ValueError: DTensor parameters in another layout (tensor parallelism, a mesh of some
+            of the ranks), which ``Model`` cannot split the data for.
+    """
+    if not is_sharded(network):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    fsdp = [m for m in network.modules() if isinstance(m, FSDPModule)]
+    for module in fsdp:
+        module.reshard()  # its sharded parameters registered (not gathered ones)
+    managed = {id(p) for m in fsdp if isinstance(m, torch.nn.Module) for p in m.parameters()}
+    plain = []
+    for name, param in network.named_parameters():
+        if not isinstance(param, DTensor):
+            if param.requires_grad:
+                plain.append(name)
+            continue
+        placements = tuple(param.placements)
+        data_parallel = (len(placements) == 1 and isinstance(placements[0], Shard)) or (
+            len(placements) == 2
+            and isinstance(placements[0], Replicate)
+            and isinstance(placements[1], Shard)
+        )
+        if id(param) not in managed or not data_parallel or param.device_mesh.size() != world:
+            raise ValueError(
+                f"'network' parameter {name!r} is a DTensor laid out as {placements} on a mesh "
+                f"of {param.device_mesh.size()} of the {world} ranks: Model trains networks "
+                "sharded with fully_shard over every rank (mesh = init_device_mesh(device, "
+                "(world_size,)), or HSDP's (replicas, shards)), each rank a share of the data. "
+                "Train other layouts (tensor parallelism) in your own loop with stepwatch.watch."
+            )
+    if plain:
+        _warn_once(
+            "sharding",
+            f"'network' is sharded with fully_shard, but its parameters {plain[:3]} are not: "
+            "their gradients are not averaged across the ranks. Shard the whole network "
+            "(fully_shard on the root module too).",
+        )
+    return True
+
+
+def extra_forwards(network: Any, batch_num: int) -> int:
+    """How many forwards past its own ``batch_num`` batches this rank must run in an
+    evaluation pass so that every rank runs as many (one all_gather): a sharded network
+    gathers its parameters in every forward, a collective each rank must join. 0 for a
+    network that is not sharded (and no collective)."""
+    if rank_and_world()[1] == 1 or not is_sharded(network):
+        return 0
+    return int(all_gather_rows([batch_num]).max()) - batch_num
 
 
 def shard(dataset: Any, argname: str, *, pad: bool) -> Any:

@@ -5,6 +5,11 @@ by a callback, the loop's place and the callbacks' state (see :mod:`stepwatch.tr
 Files are written to a temporary name in the same directory, flushed to disk and renamed over
 the target, so a process killed mid-save leaves the previous file intact. Files load with
 ``weights_only=True``.
+
+The checkpoint of a sharded run (FSDP2) keeps the network's and optimizer's tensors in a
+folder beside the file, each rank writing its own shards (:mod:`stepwatch.train.sharded`);
+:func:`write_checkpoint` and :func:`read_checkpoint` handle both kinds, and
+:func:`writes_here` says which ranks take part in a save.
 """
 
 from __future__ import annotations
@@ -19,7 +24,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_checkpoint", "save_checkpoint", "write_atomic"]
+from ..distributed import rank_and_world
+from . import sharded
+
+__all__ = [
+    "read_checkpoint",
+    "remove_checkpoint",
+    "save_checkpoint",
+    "write_atomic",
+    "write_checkpoint",
+    "writes_here",
+]
 
 FORMAT = "stepwatch-checkpoint"
 VERSION = 1
@@ -38,7 +53,11 @@ def to_cpu(obj: Any) -> Any:
 
 
 def weights_finite(module: Any) -> bool:
-    """True when every floating-point tensor of ``module``'s state is finite (one host read)."""
+    """True when every floating-point tensor of ``module``'s state is finite (one host read).
+    For a sharded network, every rank's shards are checked and every rank gets the same
+    answer (one all_reduce: every rank calls it)."""
+    if sharded.is_sharded(module):
+        return sharded.all_finite(module)
     checks = [
         torch.isfinite(t).all()
         for t in module.state_dict().values()
@@ -146,6 +165,42 @@ def write_atomic(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     return target
 
 
+def writes_here(cb_params: Any) -> bool:
+    """Whether this process takes part in writing the run's checkpoints: rank 0 alone (the
+    replicas hold the same state), or, in a sharded run, every rank (each writes its shards)."""
+    return int(cb_params.rank_id) == 0 or sharded.is_sharded(cb_params.get("train_network"))
+
+
+def write_checkpoint(state: dict[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write the checkpoint ``state`` to ``path``: one file (:func:`write_atomic`), or for the
+    state of a sharded network (``state['sharded']``), every rank's shards into a new folder
+    beside it and then rank 0's file naming that folder; the folders of the file it replaced
+    are deleted. A sharded save is a collective: every rank calls it, with rank 0's ``path``
+    the one used (a folder every rank can reach), and it returns once the file is written."""
+    target = Path(path)
+    if not state.get("sharded"):
+        return write_atomic(state, target)
+    skeleton, tensors = sharded.split(state)
+    folder = sharded.save_shards(tensors, target)
+    rank, world = rank_and_world()
+    if rank == 0:
+        write_atomic({**skeleton, "shards": folder}, target)
+        sharded.remove_shard_folders(target, keep=folder)
+    if world > 1:
+        torch.distributed.barrier()  # on every rank, the file is there once this returns
+    return target
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete the checkpoint file ``path`` and its shards folder, if any (one process)."""
+    target = Path(path)
+    try:
+        target.unlink()
+    except FileNotFoundError:
+        pass
+    sharded.remove_shard_folders(target)
+
+
 def save_checkpoint(save_obj: Any, ckpt_file_name: str | os.PathLike[str]) -> Path:
     """Save a network's weights (and a Model's optimizer) to a checkpoint file, atomically.
 
@@ -156,15 +211,19 @@ def save_checkpoint(save_obj: Any, ckpt_file_name: str | os.PathLike[str]) -> Pa
     Returns:
         The path written. ``load_checkpoint(path, model)`` reads it back. Checkpoints written
         by ``ModelCheckpoint`` also hold the loop state needed to resume training.
+
+    A sharded network (FSDP2) is saved by every rank at once, each writing its shards into a
+    folder beside the file: call it on every rank.
     """
     from torch import nn
 
+    module = None
     if isinstance(save_obj, nn.Module):
-        network, optimizer = save_obj.state_dict(), None
+        module, network, optimizer = save_obj, save_obj.state_dict(), None
     elif isinstance(save_obj, dict):
         network, optimizer = save_obj, None
     elif hasattr(save_obj, "train_network"):
-        network = save_obj.train_network.state_dict()
+        module, network = save_obj.train_network, save_obj.train_network.state_dict()
         opt = getattr(save_obj, "optimizer", None)
         optimizer = opt.state_dict() if opt is not None else None
     else:
@@ -176,10 +235,10 @@ def save_checkpoint(save_obj: Any, ckpt_file_name: str | os.PathLike[str]) -> Pa
         raise TypeError(
             f"'ckpt_file_name' must be a str or path, but got {type(ckpt_file_name).__name__}."
         )
-    return write_atomic(
-        {"format": FORMAT, "version": VERSION, "network": network, "optimizer": optimizer},
-        ckpt_file_name,
-    )
+    state = {"format": FORMAT, "version": VERSION, "network": network, "optimizer": optimizer}
+    if sharded.is_sharded(module):
+        state["sharded"] = True  # every rank writes its shards (every rank calls this)
+    return write_checkpoint(state, ckpt_file_name)
 
 
 def remove_stale_temporaries(directory: Path, name_prefix: str) -> None:
@@ -221,6 +280,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{str(p)!r} is damaged: its contents do not match the checksum written with them "
             "(bytes changed on disk). Use another checkpoint, or restore a copy of this one."
         )
+    if isinstance(state.get("shards"), str):
+        state["shards"] = str(p.parent / state["shards"])  # the folder beside the file
     return state
 
 

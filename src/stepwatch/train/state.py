@@ -6,6 +6,11 @@ the stateful callbacks - is captured by :meth:`TrainingState.capture` and put ba
 :meth:`TrainingState.restore`. Checkpoints (``ModelCheckpoint``, ``BackupAndRestore``,
 ``OnRequestExit``, anomaly snapshots), resuming a run, ``load_checkpoint`` and
 ``AnomalyMonitor``'s rollback all go through it, so they agree on what "the state" is.
+
+A network sharded with FSDP2's ``fully_shard`` is captured and restored shard by shard, never
+gathered onto one rank: a copy in memory holds each rank's own shards and is put back in place,
+and a checkpoint file keeps the shards in a folder beside it, each rank writing and reading its
+own (see :mod:`stepwatch.train.sharded`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import sharded
 from .serialization import check_optimizer_matches, read_checkpoint, to_cpu
 
 __all__ = ["TrainingState", "load_checkpoint", "rng_state", "set_rng_state"]
@@ -144,12 +150,19 @@ class TrainingState:
         """The state as a checkpoint dict: ``network``, ``optimizer``, ``lr_scheduler``,
         ``loss_scaler``, and with ``rng`` every generator's state (``rng``), with
         ``callbacks`` the stateful callbacks' states (``callbacks``). ``copy=True`` copies every
-        tensor to the CPU, so the result stays as it is while training goes on."""
+        tensor to the CPU, so the result stays as it is while training goes on.
+
+        For a sharded network the network's and optimizer's tensors are DTensors (this rank's
+        shards; with ``copy``, copies of them) and ``sharded`` is True: written with
+        :func:`~stepwatch.train.serialization.write_checkpoint`, every rank writes its own."""
         optimizer = self.optimizer
         state: dict[str, Any] = {
             "network": self.network.state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
         }
+        is_sharded = sharded.is_sharded(self.network)
+        if is_sharded:
+            state["sharded"] = True
         for name in _SCHEDULES:
             obj = getattr(self, name)
             state[name] = obj.state_dict() if obj is not None else None
@@ -157,7 +170,9 @@ class TrainingState:
             state["rng"] = rng_state(self.dataset)
         if callbacks and self.callbacks is not None:
             state["callbacks"] = to_cpu(self.callbacks.state_dicts())
-        return to_cpu(state) if copy else state
+        if not copy:
+            return state
+        return sharded.stash(state) if is_sharded else to_cpu(state)
 
     def restore(
         self,
@@ -167,20 +182,43 @@ class TrainingState:
         strict: bool = True,
         rng: bool = False,
         callbacks: bool = False,
+        copy: bool = False,
     ) -> None:
         """Put ``state`` (from :meth:`capture` or a checkpoint file) back.
 
         The optimizer is checked first, so a mismatch changes nothing. With ``rng`` the random
         generators are restored too, with ``callbacks`` the callbacks' states (matched by
-        ``state_key``).
+        ``state_key``). With ``copy`` the optimizer gets its own copies of the saved tensors
+        (its ``load_state_dict`` would otherwise keep them and update them in place), so the
+        same saved state can be restored again later (a rollback copy).
+
+        A sharded checkpoint's shards are read by every rank, each its own, straight into
+        the network (every rank calls this); a copy from :meth:`capture` is put back shard by
+        shard, with no collective.
 
         Raises:
-            ValueError: the saved optimizer is of another kind or shape than this one.
+            ValueError: the saved optimizer is of another kind or shape than this one; a
+                sharded checkpoint's shards folder is missing or does not fit the network.
         """
         optimizer = self.optimizer
         saved_optimizer = state.get("optimizer")
         if optimizer is not None and saved_optimizer is not None:
             check_optimizer_matches(path, saved_optimizer, optimizer)
+        if isinstance(state.get("shards"), str):
+            state = sharded.load_shards(state, self.network, optimizer, f"{str(path)!r}")
+            saved_optimizer = state.get("optimizer")
+        elif sharded.has_local_shards(state.get("network")) or sharded.has_local_shards(
+            saved_optimizer
+        ):
+            # Fresh DTensors from this rank's copies: the copy stays as it is.
+            state = {**state, "network": sharded.unstash(state["network"])}
+            saved_optimizer = sharded.unstash(saved_optimizer)
+        elif sharded.is_sharded(self.network):
+            # A checkpoint of the network unsharded: each rank keeps its slices of it.
+            state = sharded.shard_full(state, self.network, optimizer)
+            saved_optimizer = state.get("optimizer")
+        elif copy and saved_optimizer is not None:
+            saved_optimizer = to_cpu(saved_optimizer)
         try:
             self.network.load_state_dict(state["network"], strict=strict)
         except RuntimeError as exc:  # torch's wall of missing/unexpected/size-mismatch lines

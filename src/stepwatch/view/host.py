@@ -158,7 +158,7 @@ class TorchState:
         return self.training.capture(rng=False, callbacks=False, copy=True)
 
     def restore(self, saved: Any) -> None:
-        self.training.restore(saved)
+        self.training.restore(saved, copy=True)  # the copy stays as it was, for a later rollback
 
 
 def params_state(params: Any) -> TorchState | None:

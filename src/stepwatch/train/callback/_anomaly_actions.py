@@ -20,7 +20,7 @@ from ...monitor.detectors import DETECTORS, Alert
 from ...view.host import StateControl
 from ...view.run import RunView, view_of
 from ..resume import build_checkpoint
-from ..serialization import write_atomic
+from ..serialization import write_checkpoint, writes_here
 from ._callback import RunContext
 
 __all__ = [
@@ -300,7 +300,7 @@ class Actions:
         if action == "reduce_lr":
             return reduce_lr_outcome(p, self.lr_factor)
         if action == "snapshot":
-            if self._view is not None and self._view.rank != 0:
+            if not writes_here(p):  # a sharded run's snapshot: every rank writes its shards
                 return "snapshot written by rank 0"
             return snapshot_outcome(self.snapshot_dir, alert, p, self._window())
         return self._roll_back(alert, run_context)
@@ -396,7 +396,9 @@ def write_snapshot(
         path = save(folder / stem)
     else:
         checkpoint = build_checkpoint(cb_params, epoch_complete=False)
-        path = write_atomic(checkpoint, folder / f"{stem}.pt")
+        path = write_checkpoint(checkpoint, folder / f"{stem}.pt")  # sharded: every rank
+        if cb_params.rank_id != 0:
+            return path
 
     def clean(value: Any) -> Any:
         return value if not isinstance(value, float) or math.isfinite(value) else str(value)

@@ -8,7 +8,7 @@ from pathlib import Path
 from ..._validation import check_bool, check_int
 from ...monitor.schedule import Every
 from ..resume import build_checkpoint
-from ..serialization import weights_finite, write_atomic
+from ..serialization import remove_checkpoint, weights_finite, write_checkpoint, writes_here
 from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["BackupAndRestore"]
@@ -68,18 +68,15 @@ class BackupAndRestore(Callback):
         """The backup offered has nothing left to train: the job is done, so delete it (with
         ``delete_checkpoint``), as at a normal end."""
         if self.delete_checkpoint:
-            try:
-                self.backup_path.unlink()
-            except FileNotFoundError:
-                pass
+            remove_checkpoint(self.backup_path)
 
     def _backup(self, run_context: RunContext, epoch_complete: bool) -> None:
-        if run_context.cb_params.rank_id != 0:
+        if not writes_here(run_context.cb_params):
             return  # distributed: rank 0 writes the one backup every rank resumes from
         if run_context.stop_kind == "anomaly" or not weights_finite(run_context.cb_params.network):
             return  # keep the last good backup rather than one of broken weights
         state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
-        write_atomic(state, self.backup_path)
+        write_checkpoint(state, self.backup_path)  # sharded: every rank writes its shards
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         if self.save_freq == "epoch":
@@ -99,7 +96,4 @@ class BackupAndRestore(Callback):
         # anomaly may be resumed from its last good state: keep the backup for both.
         done = run_context.stop_kind in (None, "requested")
         if self.delete_checkpoint and done and run_context.cb_params.rank_id == 0:
-            try:
-                self.backup_path.unlink()
-            except FileNotFoundError:
-                pass
+            remove_checkpoint(self.backup_path)

@@ -16,7 +16,15 @@ from ..._validation import TypeAndValueError, nearest_existing
 from ...monitor.schedule import Every
 from ...view.run import view_of
 from ..resume import build_checkpoint
-from ..serialization import remove_stale_temporaries, weights_finite, write_atomic
+from ..serialization import (
+    remove_checkpoint,
+    remove_stale_temporaries,
+    weights_finite,
+    write_atomic,
+    write_checkpoint,
+    writes_here,
+)
+from ..sharded import is_sharded
 from ._callback import ORDER_SAVE, CallbackParams, RunContext
 from ._monitor import MonitorCallback
 from .checkpoint_config import CheckpointConfig
@@ -74,7 +82,11 @@ class ModelCheckpoint(MonitorCallback):
     warning says so), so ``-last.pt`` always points at the last good checkpoint.
 
     In a distributed run only rank 0 writes (the replicas' weights are the same); every rank
-    can resume from its files with ``resume_from=``.
+    can resume from its files with ``resume_from=``. A network sharded with FSDP2 is saved by
+    every rank, each writing its own shards into a folder beside the file (``<file>.shards-*``,
+    in ``directory``, which every rank must reach), never gathered onto one rank; its saves are
+    made on the training thread (``async_save`` does not apply) and a failed run writes no
+    breakpoint file (the other ranks may not be there to write theirs).
 
     Args:
         prefix: file name prefix (no path separators). If files with this prefix already exist
@@ -172,9 +184,11 @@ class ModelCheckpoint(MonitorCallback):
     def on_train_begin(self, run_context: RunContext) -> None:
         cb_params = run_context.cb_params
         self._resolve_names(cb_params)
-        # Distributed: rank 0 writes; the others keep the same state and write nothing.
-        self._writes = cb_params.rank_id == 0
-        if self._writes:
+        # Distributed: rank 0 writes; the others keep the same state and write nothing (in a
+        # sharded run every rank writes its shards, into the files rank 0 names).
+        self._writes = writes_here(cb_params)
+        self._sharded = is_sharded(cb_params.train_network)
+        if cb_params.rank_id == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.directory, self._prefix_requested)
             if self._prefix_fn is None:  # a function names each file itself (MindSpore)
@@ -188,7 +202,7 @@ class ModelCheckpoint(MonitorCallback):
         self._schedule.reset(self._last_save_step)
         self._pending_epoch_save = False
         self._cb_params = cb_params
-        if self.config.async_save and self._writer is None:
+        if self.config.async_save and self._writer is None and not self._sharded:
             self._writer = _AsyncWriter()
 
     def on_train_step_end(self, run_context: RunContext) -> None:
@@ -236,6 +250,7 @@ class ModelCheckpoint(MonitorCallback):
                 and self.config.exception_save
                 and self._cb_params is not None
                 and self._writes
+                and not self._sharded
             ):
                 p = self._cb_params
                 state = build_checkpoint(
@@ -255,6 +270,7 @@ class ModelCheckpoint(MonitorCallback):
     _cb_params: CallbackParams | None = None
     _writes = True
     _driven: bool | None = None  # a trainer calls the hooks (None: not known before begin)
+    _sharded = False
 
     def _driven_run(self, cb_params: CallbackParams) -> bool:
         """A trainer runs the hooks, so an epoch's end will come (not a cb_params built by
@@ -340,8 +356,9 @@ class ModelCheckpoint(MonitorCallback):
         if self._writer is not None:
             self._writer.submit(state, path, self._after_save)
         else:
-            write_atomic(state, path)
-            self._after_save(path)
+            write_checkpoint(state, path)
+            if cb_params.rank_id == 0:
+                self._after_save(path)
         return path
 
     def _after_save(self, path: Path) -> None:
@@ -357,12 +374,12 @@ class ModelCheckpoint(MonitorCallback):
         if cfg.keep_checkpoint_max:
             while len(self._saved) > cfg.keep_checkpoint_max:
                 old, _ = self._saved.pop(0)
-                _unlink(old)
+                remove_checkpoint(old)
         elif cfg.keep_checkpoint_per_n_minutes and len(self._saved) >= 3:
             # Keep the newest file and one per N minutes before it.
             (_, t_kept), (middle, t_mid), _ = self._saved[-3:]
             if t_mid - t_kept < cfg.keep_checkpoint_per_n_minutes * 60:
-                _unlink(middle)
+                remove_checkpoint(middle)
                 del self._saved[-2]
 
     def _link_last(self, path: Path) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..._validation import check_bool
 from ..resume import build_checkpoint
-from ..serialization import save_checkpoint, write_atomic
+from ..serialization import save_checkpoint, write_checkpoint, writes_here
 from ._callback import ORDER_SAVE, Callback, RunContext
 
 __all__ = ["OnRequestExit"]
@@ -135,7 +135,7 @@ class OnRequestExit(Callback):
         if not self._evaluating:
             return
         self._evaluating = self._running = False
-        if self.received is not None and self.save_ckpt and run_context.cb_params.rank_id == 0:
+        if self.received is not None and self.save_ckpt and writes_here(run_context.cb_params):
             network = run_context.cb_params.get("eval_network") or run_context.cb_params.network
             self.checkpoint_path = save_checkpoint(network, self.eval_path)
 
@@ -153,9 +153,10 @@ class OnRequestExit(Callback):
     def _stop(self, run_context: RunContext, epoch_complete: bool) -> None:
         assert self.received is not None
         reason = f"received {self.received.name}"
-        if self.save_ckpt and self.checkpoint_path is None and run_context.cb_params.rank_id == 0:
+        cb_params = run_context.cb_params
+        if self.save_ckpt and self.checkpoint_path is None and writes_here(cb_params):
             state = build_checkpoint(run_context.original_args(), epoch_complete=epoch_complete)
-            self.checkpoint_path = write_atomic(state, self.path)
+            self.checkpoint_path = write_checkpoint(state, self.path)  # sharded: every rank
             reason += f"; checkpoint saved to {self.checkpoint_path}"
         run_context.request_stop(reason, interrupted=True)
 
