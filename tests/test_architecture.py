@@ -23,6 +23,9 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "stepwatch.dataset",
         "stepwatch.distributed",
+        "stepwatch.job",
+        "stepwatch.rank_watch",
+        "stepwatch.node_metrics",
         "stepwatch.store._schema",
         "stepwatch.store._runs",
         "stepwatch.store.base",
