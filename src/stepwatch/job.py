@@ -109,7 +109,7 @@ def run_to_continue(db: Any, job: Job, number: int) -> int | None:
     (:func:`next_run_number`) and did not finish: the newest run of the same job (same id,
     machine and launcher) with that number, made by another process. None when there is none
     (the first attempt), when that run finished, or when the store cannot be read."""
-    from .store import Store
+    from .store.reader import Store
 
     identity = job.identity()
     try:
