@@ -511,10 +511,48 @@ def test_two_bridges_on_one_trainer_both_record_and_both_come_off(tmp_path: Path
     )
     trainer.train()
     assert "training_step" not in vars(trainer)  # the Trainer's own again
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)  # ... and the accelerator's
     with Store(db) as store:
         a, b = (store.metrics(r.run_id, values.STEP_LOSS)[1] for r in (first, second))
     np.testing.assert_allclose(a, _computed(trainer), rtol=1e-6)
     np.testing.assert_array_equal(a, b)
+
+
+class GradNorms(Callback):
+    """Notes cb_params.grad_norm at every step."""
+
+    def __init__(self) -> None:
+        self.norms: dict[int, Any] = {}
+
+    def on_train_step_end(self, run_context: Any) -> None:
+        p = run_context.original_args()
+        self.norms[p.cur_step_num] = p.grad_norm
+
+
+def test_the_trainers_gradient_norm_before_clipping_is_cb_params_grad_norm(
+    tmp_path: Path,
+) -> None:
+    """The global norm the Trainer computes each step (before clipping to max_grad_norm) is
+    the step's cb_params.grad_norm, equal to the grad_norm the Trainer logs."""
+    norms = GradNorms()
+    watch = StepwatchCallback([norms])
+    trainer = _trainer(
+        tmp_path, [watch], num_train_epochs=1, max_grad_norm=0.5,
+        logging_strategy="steps", logging_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    assert sorted(norms.norms) == list(range(1, 17)) and len(logged) == 16
+    seen = [float(norms.norms[s]) for s in range(1, 17)]
+    np.testing.assert_allclose(seen, logged, rtol=1e-5)
+    assert max(seen) > 0.5  # before clipping: the gradients the optimizer used were clipped
+    assert "clip_grad_norm_" not in vars(trainer.accelerator)
+    # Given to a Trainer without attach, the bridge does not reach inside it: no norm.
+    norms = GradNorms()
+    trainer = _trainer(tmp_path, [], num_train_epochs=1, max_grad_norm=0.5)
+    trainer.add_callback(StepwatchCallback([norms]))
+    trainer.train()
+    assert set(norms.norms.values()) == {None}
 
 
 class FailsOnce(Callback):

@@ -27,7 +27,15 @@ from ..train.callback._callback import normalize_callbacks
 from ..train.engine import RunEngine
 from ..view.host import HostControls
 
-__all__ = ["Bridge", "BridgeFace", "Host", "RateFunctions", "clean_config", "host_values"]
+__all__ = [
+    "Bridge",
+    "BridgeFace",
+    "Host",
+    "RateFunctions",
+    "clean_config",
+    "host_values",
+    "sharding_of",
+]
 
 logger = logging.getLogger("stepwatch")
 
@@ -125,6 +133,28 @@ def host_values(values: Mapping[str, Any], *, skip: tuple[str, ...] = ()) -> dic
             continue
         out[names.from_host(str(key))] = float(value)
     return out
+
+
+def sharding_of(module: Any) -> str | None:
+    """How a host's torch module is sharded over the ranks: ``'fsdp2'`` (``fully_shard``: its
+    parameters are DTensors, whose gradients the detectors read as the full model's and
+    whose shards a rollback copies rank by rank), ``'fsdp1'`` (``FullyShardedDataParallel``:
+    flattened shards, which stepwatch does not read), or None (whole on every rank)."""
+    if not isinstance(module, torch.nn.Module) or not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    modules = list(module.modules())
+    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
+        return "fsdp1"
+    # (between a forward without gradients and the next reshard, FSDP2 registers the gathered
+    # plain parameters: its modules tell, not the parameters alone)
+    if any(isinstance(m, FSDPModule) for m in modules) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    ):
+        return "fsdp2"
+    return None
 
 
 class Bridge:

@@ -1,4 +1,5 @@
-"""The loss of each optimizer step of a ``transformers.Trainer``, for its bridge.
+"""The loss and gradient norm of each optimizer step of a ``transformers.Trainer``, for its
+bridge.
 
 The Trainer hands callbacks no loss. This module is the one place the bridge reaches inside
 the Trainer: while a Trainer the callback was attached to
@@ -9,6 +10,11 @@ adds them for its own log. It relies on ``training_step(model, inputs, ...)`` re
 loss, as the Trainer versions in :data:`WRITTEN_FOR` do (a test pins them). Without an attached
 Trainer, a forward hook reads the ``loss`` the model returns instead. A forward hook gathers
 the model's outputs only for the steps the callbacks look at.
+
+The Trainer computes the step's global gradient norm before clipping with its accelerator's
+``clip_grad_norm_`` (under FSDP2, over all the ranks' shards) and hands callbacks only its
+logged value. The same wrapping keeps what that call returns, on the attached Trainer's
+accelerator object only: the step's ``cb_params.grad_norm``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class StepLoss:
         self.recorded: torch.Tensor | None = None  # the loss record_loss handed over
         self.outputs: Any = None
         self.inputs: Any = None
+        self.norm: Any = None  # the global gradient norm the Trainer computed in this step
+        self.accelerator: Any = None  # the attached Trainer's, whose clip_grad_norm_ is wrapped
+        self.clip_wrapper: Any = None
 
     # -- the run's start and end ----------------------------------------------------------------
     def attach(self, trainer: Any, model: Any, accumulation: int = 1) -> None:
@@ -79,7 +88,8 @@ class StepLoss:
 
     def wrap(self, trainer: Any) -> None:
         """Keep what the running Trainer's ``training_step`` returns, micro-batch by
-        micro-batch, until :meth:`unwrap` puts its own back."""
+        micro-batch, and the gradient norm its accelerator's ``clip_grad_norm_`` returns
+        (before clipping), until :meth:`unwrap` puts its own back."""
         inner = trainer.training_step  # the class's, or what the instance already holds
         keep = self.keep
 
@@ -89,29 +99,33 @@ class StepLoss:
                 keep(loss, inputs)
             return loss
 
-        # Whose wrapper this is, and what the Trainer's instance held before: see unwrap.
-        held = vars(trainer).get("training_step", _ABSENT)
-        training_step._stepwatch = (self, held)  # type: ignore[attr-defined]
-        trainer.training_step = self.wrapper = training_step
-        self.trainer = trainer
+        _put_on(trainer, "training_step", training_step, self)
+        self.trainer, self.wrapper = trainer, training_step
+        accelerator = getattr(trainer, "accelerator", None)
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if not callable(clip):
+            return
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = clip(*args, **kwargs)
+            if self.clip_wrapper is clip_grad_norm_:
+                self.norm = norm
+            return norm
+
+        _put_on(accelerator, "clip_grad_norm_", clip_grad_norm_, self)
+        self.accelerator, self.clip_wrapper = accelerator, clip_grad_norm_
 
     def unwrap(self) -> None:
-        """Put back what the Trainer held as its ``training_step`` before :meth:`wrap`. With
-        several bridges on one Trainer, the wrappers on top whose bridges let go all come off
-        (one below a live wrapper stays, passing the calls through, until that one goes)."""
+        """Put back what the Trainer held as its ``training_step`` before :meth:`wrap` (and
+        its accelerator as its ``clip_grad_norm_``). With several bridges on one Trainer,
+        the wrappers on top whose bridges let go all come off (one below a live wrapper
+        stays, passing the calls through, until that one goes)."""
         trainer, self.trainer, self.wrapper = self.trainer, None, None
-        if trainer is None:
-            return
-        top = vars(trainer).get("training_step", _ABSENT)
-        while (mark := getattr(top, "_stepwatch", None)) is not None:
-            owner, held = mark
-            if owner.wrapper is top:  # a bridge still on: its wrapper and those below stay
-                break
-            top = held  # a wrapper whose bridge let go: what it wrapped
-        if top is _ABSENT:
-            vars(trainer).pop("training_step", None)
-        else:
-            trainer.training_step = top
+        accelerator, self.accelerator, self.clip_wrapper = self.accelerator, None, None
+        if trainer is not None:
+            _take_off(trainer, "training_step")
+        if accelerator is not None:
+            _take_off(accelerator, "clip_grad_norm_")
 
     def hook_outputs(self) -> None:
         """Put the forward hook on the model (under a Trainer: for the outputs of a step the
@@ -226,6 +240,34 @@ class StepLoss:
         self.recorded = None
         self.outputs = None
         self.inputs = None
+        self.norm = None
+
+
+def _put_on(obj: Any, name: str, wrapper: Any, owner: StepLoss) -> None:
+    """Set ``wrapper`` as ``obj``'s attribute ``name``, marked with whose it is and what the
+    instance held before (:func:`_take_off` reads the marks)."""
+    wrapper._stepwatch_owner = owner
+    wrapper._stepwatch_held = vars(obj).get(name, _ABSENT)
+    setattr(obj, name, wrapper)
+
+
+def _live(wrapper: Any) -> bool:
+    """Whether a wrapper's bridge still holds it (its StepLoss's wrapper or clip_wrapper)."""
+    owner = getattr(wrapper, "_stepwatch_owner", None)
+    return owner is not None and wrapper in (owner.wrapper, owner.clip_wrapper)
+
+
+def _take_off(obj: Any, name: str) -> None:
+    """Take the wrappers whose bridges let go off the top of ``obj``'s attribute ``name``."""
+    top = vars(obj).get(name, _ABSENT)
+    while hasattr(top, "_stepwatch_held"):
+        if _live(top):  # a bridge still on: its wrapper and those below stay
+            break
+        top = top._stepwatch_held  # a wrapper whose bridge let go: what it wrapped
+    if top is _ABSENT:
+        vars(obj).pop(name, None)
+    else:
+        setattr(obj, name, top)
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:

@@ -72,6 +72,17 @@ What the bridge reads from Lightning:
   ``on_train_batch_end`` runs (after the optimizer step, before the next ``zero_grad``), so the
   gradient detectors work. With manual optimization the bridge cannot know where the
   gradients are: the gradient detectors are off, with one note.
+- **Sharding**: under ``ModelParallelStrategy`` (FSDP2: the module applies ``fully_shard`` in
+  its ``configure_model`` with ``self.device_mesh["data_parallel"]``) the parameters are
+  DTensors and each rank holds shards of them; the gradient detectors stay on and read the
+  full model's gradients (the global norm is ``clip_grad_norm_``'s over all the shards), and
+  every rank takes the same decisions. It runs on the CPU too (gloo):
+  ``Trainer(accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2,
+  tensor_parallel_size=1))`` (the default sizes make the two processes one tensor-parallel
+  group, which ``fully_shard`` over ``"data_parallel"`` does not shard). ``FSDPStrategy``
+  (FSDP1) needs GPUs (on the CPU Lightning refuses it: "requires a GPU accelerator"); there,
+  as under DeepSpeed, the gradients are flattened shards that are not the model's, so the
+  gradient detectors are off, with a warning.
 - **Config**: the module's ``hparams`` and the Trainer's settings (``max_epochs``,
   ``accumulate_grad_batches``, ``precision``, ``strategy``, ...), stored with the run.
 
@@ -86,9 +97,10 @@ How the actions reach Lightning:
   action runs on rank 0 alone, so there the snapshot is stepwatch's own ``.pt`` file (the
   module and optimizer state, loadable with ``stepwatch.load_checkpoint(path, module)``).
 - ``rollback``: the module, optimizer and LR scheduler are torch objects, restored in place
-  through their ``state_dict`` on one device or under DDP. Where that is not so (several
-  optimizers, or a sharding strategy such as FSDP or DeepSpeed, whose state is split over the
-  ranks) a rollback stops the run instead, and its outcome says so.
+  through their ``state_dict`` on one device, under DDP, and under ``ModelParallelStrategy``
+  (each rank copies and restores its own shards, all ranks at the same step). Where that is
+  not so (several optimizers, ``FSDPStrategy`` or DeepSpeed, whose flattened state is split
+  over the ranks) a rollback stops the run instead, and its outcome says so.
 
 When ``Trainer.fit`` fails, Lightning calls ``on_exception``: the run ends with the error and
 RunRecorder stores it ``failed`` (``interrupted`` for Ctrl-C, which Lightning turns into
@@ -107,7 +119,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from torch import nn
 
 from ..monitor import values as names
@@ -194,6 +212,9 @@ class StepwatchCallback(BridgeFace, pl.Callback):
         scheduler = configs[0].scheduler if configs else None
         steps_per_epoch = _steps_per_epoch(trainer, self._accumulate)
         world = int(trainer.world_size)
+        layout = _layout(trainer)
+        if layout == "flat" and self._automatic and trainer.global_rank == 0:
+            warnings.warn(_FLAT.format(type(trainer.strategy).__name__), UserWarning, stacklevel=2)
         loader = trainer.train_dataloader
         dataset = loader if isinstance(loader, torch.utils.data.DataLoader) else None
         controls = torch_controls(
@@ -203,8 +224,8 @@ class StepwatchCallback(BridgeFace, pl.Callback):
             lr_scheduler=scheduler,
             loss_scaler=getattr(trainer.precision_plugin, "scaler", None),
             dataset=dataset,
-            restores=_restores(trainer, pl_module, optimizers),
-            grads=self._automatic and optimizer is not None,
+            restores=_restores(layout, pl_module, optimizers),
+            grads=self._automatic and optimizer is not None and layout != "flat",
             save=_saver(trainer) if world == 1 else None,
             config=clean_config(_config(trainer, pl_module, scheduler)),
         )
@@ -391,14 +412,35 @@ def _epochs(trainer: pl.Trainer, steps_per_epoch: int) -> int:
     return max(1, epochs or 1)
 
 
-def _restores(trainer: pl.Trainer, pl_module: nn.Module, optimizers: list[Any]) -> bool:
-    """Whether rollback may restore the module and optimizer in place through state_dict."""
+# FSDPStrategy (FSDP1, for GPUs) and DeepSpeed keep gradients and optimizer state in flattened
+# partitions: each rank's gradients are not the model's, so the gradient detectors are off.
+_FLAT = (
+    "lightning.StepwatchCallback: Lightning's {} keeps the gradients in flattened shards that "
+    "stepwatch does not read as the full model's, so AnomalyMonitor's gradient detectors are "
+    "off and a rollback stops the run instead. ModelParallelStrategy (FSDP2: fully_shard in "
+    "the module's configure_model) keeps them on, on GPUs and on the CPU."
+)
+
+
+def _layout(trainer: pl.Trainer) -> str:
+    """How the strategy lays the module out over the ranks: ``'whole'`` (one device, DDP),
+    ``'sharded'`` (ModelParallelStrategy: FSDP2's DTensor shards), ``'flat'`` (FSDPStrategy,
+    DeepSpeed: flattened partitions) or ``'other'``."""
     strategy = trainer.strategy
-    whole = isinstance(strategy, SingleDeviceStrategy) or (
-        isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy)
-    )
+    if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)):
+        return "flat"
+    if isinstance(strategy, ModelParallelStrategy):
+        return "sharded"
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return "whole"
+    return "other"
+
+
+def _restores(layout: str, pl_module: nn.Module, optimizers: list[Any]) -> bool:
+    """Whether rollback may restore the module and optimizer in place: whole on each rank or
+    sharded with FSDP2 (each rank restores its shards), one torch optimizer."""
     return (
-        whole
+        layout in ("whole", "sharded")
         and isinstance(pl_module, nn.Module)
         and len(optimizers) == 1
         and isinstance(optimizers[0], torch.optim.Optimizer)

@@ -45,7 +45,17 @@ What the bridge reads from the Trainer:
   Trainer's ``zero_grad``, so gradient detectors read them there. They are the gradients the
   optimizer used: clipped to ``max_grad_norm`` (default 1.0), so the explosion detector sees
   at most that norm (set ``max_grad_norm=0`` to watch raw norms); NaN gradients stay NaN.
-  Under DeepSpeed or FSDP the gradients are sharded and the gradient detectors are off.
+  The step's global norm before clipping, as the Trainer computes it (its accelerator's
+  ``clip_grad_norm_``, kept while an attached Trainer trains), is ``cb_params.grad_norm``.
+  Sharded: accelerate shards the model (``TrainingArguments(fsdp=...)``) only on GPUs. On the
+  CPU it drops ``fsdp`` and the Trainer trains under DDP, every rank holding the whole model:
+  the bridge says so once (a warning) and watches the DDP run it is, gradient detectors and
+  rollback on; :meth:`StepwatchCallback.attach` refuses a model sharded beforehand with
+  ``fully_shard`` (the Trainer's DDP cannot wrap its DTensor parameters). Under FSDP2 on
+  GPUs (``fsdp_config={"fsdp_version": 2}``: DTensor parameters) the gradient detectors read
+  the full model's gradients and a rollback restores each rank's shards (a path the test
+  suite, which runs on CPUs, does not cover). Under DeepSpeed or FSDP1 the gradients are
+  flattened partitions and the gradient detectors are off.
   Under fp16 the optimizer's loss scaler is the run's: a step it skips for overflowing
   gradients is not measured;
 - the learning rate (the optimizer's), and the values of each evaluation under stepwatch's
@@ -77,7 +87,7 @@ The actions, on the Trainer's controls:
   schedule and trainer state at that step's ``on_step_end``.
 - ``'rollback'``: the model, the optimizer (accelerate's wrapper loads state in place), the
   LR schedule and fp16's loss scaler are restored to a copy taken every ``rollback_every``
-  steps; the Trainer goes on counting steps with the next batches. Under DeepSpeed or FSDP,
+  steps; the Trainer goes on counting steps with the next batches. Under DeepSpeed or FSDP1,
   rollback stops instead.
 
 A failure: the Trainer has no hook for an exception inside ``train()`` (``on_train_end`` is
@@ -107,7 +117,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .._tensor import check_loss
 from .._validation import _got
 from ..train.engine import torch_controls
-from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values
+from ._bridge import Bridge, BridgeFace, Host, clean_config, host_values, sharding_of
 from ._transformers_checkpoint import write_checkpoint
 from ._transformers_loss import StepLoss
 
@@ -122,6 +132,14 @@ _TIMINGS = (
     "_steps_per_second",
     "_jit_compilation_time",
     "_model_preparation_time",
+)
+
+# Accelerate shards a model (FSDP) only on GPUs and other accelerators: on the CPU it drops
+# TrainingArguments(fsdp=...) without a word and the Trainer trains under DDP.
+_FSDP_DROPPED = (
+    "stepwatch: TrainingArguments(fsdp=...) is set but the model is not sharded: accelerate "
+    "shards (FSDP) only on GPUs, so on the CPU this Trainer trains under DDP, each rank "
+    "holding the whole model. stepwatch watches it as the DDP run it is."
 )
 
 # The callbacks with a run open, closed as failed if the interpreter exits first.
@@ -192,6 +210,9 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
 
         Raises:
             TypeError: ``trainer`` is not a ``transformers.Trainer``.
+            ValueError: ``trainer``'s model is already sharded (``fully_shard``) but the
+                Trainer does not shard it (accelerate's FSDP is for GPUs: on the CPU the
+                Trainer trains under DDP, which cannot take sharded parameters).
 
         Example:
             >>> trainer = Trainer(model=model, args=args, train_dataset=ds)
@@ -202,6 +223,21 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             raise TypeError(
                 f"attach() takes the transformers.Trainer this callback runs in, but got "
                 f"{_got(trainer)}: pass the Trainer (StepwatchCallback([...]).attach(trainer))."
+            )
+        if (
+            sharding_of(trainer.model) == "fsdp2"
+            and not getattr(trainer, "is_fsdp_enabled", False)
+            and trainer.args.world_size > 1
+        ):
+            raise ValueError(
+                "attach() got a Trainer whose model is sharded already (fully_shard: its "
+                "parameters are DTensors) while the Trainer itself does not shard "
+                "(TrainingArguments(fsdp=...) is off, or dropped: accelerate runs FSDP only on "
+                f"GPUs, and this one trains on {trainer.args.device.type!r}), so it trains "
+                "under DDP, which cannot wrap sharded parameters (train() would fail in "
+                "accelerate's prepare). Pass the unsharded model with TrainingArguments(fsdp=True, "
+                "fsdp_config={'fsdp_version': 2}) on GPUs, or train the sharded model with "
+                "stepwatch.watch or stepwatch.Model."
             )
         if not any(cb is self for cb in trainer.callback_handler.callbacks):
             trainer.add_callback(self)
@@ -275,7 +311,12 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         self._may_skip = hasattr(optimizer, "step_was_skipped") and not plain
         self._in_step, self._unfinished = False, []
         self._evals, self._epoch_waits, self._epoch_done = {}, False, False
-        sharded = bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
+        sharding = sharding_of(model)
+        # DeepSpeed and FSDP1 keep the gradients and state in flattened partitions that
+        # stepwatch does not read; FSDP2's DTensors it reads as the full model's.
+        opaque = bool(getattr(args, "deepspeed", None)) or sharding == "fsdp1"
+        if getattr(args, "fsdp", None) and sharding is None and args.process_index == 0:
+            logger.warning(_FSDP_DROPPED)
         torch_parts = isinstance(model, nn.Module) and isinstance(optimizer, torch.optim.Optimizer)
         trainer = self._attached()
         if trainer is None and getattr(args, "n_gpu", 1) > 1:
@@ -293,8 +334,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
             # fp16 on a GPU: accelerate's optimizer steps through a GradScaler
             loss_scaler=getattr(optimizer, "scaler", None),
             dataset=train_dataloader,
-            restores=torch_parts and not sharded,
-            grads=isinstance(model, nn.Module) and not sharded,
+            restores=torch_parts and not opaque,
+            grads=isinstance(model, nn.Module) and not opaque,
             save=self._save if isinstance(model, nn.Module) else None,
             config=clean_config(_config(args, model)),
         )
@@ -350,6 +391,8 @@ class StepwatchCallback(BridgeFace, TrainerCallback):
         if run is None:
             return control
         step = self._loss
+        # The global gradient norm before clipping, as the Trainer computed it (or None).
+        run.cb_params.grad_norm, step.norm = step.norm, None
         taken = step.taken
         if len(taken) == 1 and not step.handed and not taken[0].ndim:
             # The common step: one micro-batch, whose training_step gave a 0-d loss (the rest

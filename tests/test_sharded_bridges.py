@@ -1,0 +1,143 @@
+"""The bridges under sharding (FSDP2), on two real CPU processes (gloo): what runs here, and
+what the bridge does where it runs.
+
+- Lightning's FSDPStrategy (FSDP1) needs a GPU: Lightning refuses it on the CPU.
+- The Hugging Face Trainer shards only on GPUs: on the CPU accelerate drops ``fsdp=...`` and
+  trains under DDP (the bridge says so, and watches the DDP run it is); a model sharded
+  beforehand is refused by ``attach`` with a clear error (the Trainer's DDP cannot wrap it).
+
+Each job's two ranks are started here (Lightning then starts no process of its own) with a
+deadline, and each is ended by its PID if it outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepwatch import Store
+from stepwatch.monitor import values
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+DEADLINE = 180.0  # seconds for a whole two-process job (about 30 on a quiet 2-core machine)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _two_ranks(job: str, out: Path, *args: str) -> list[dict[str, Any]]:
+    """Run ``job`` as ranks 0 and 1 of one process group; each rank's JSON result."""
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": "2",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(JOBS / job), str(out), *args],
+                env=env,
+                cwd=out,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    deadline = time.monotonic() + DEADLINE
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+            done.append((proc.returncode, stdout, stderr))
+    finally:
+        for proc in procs:  # past the deadline: each rank ended by its own PID
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for rank, (code, _, stderr) in enumerate(done):
+        assert code == 0, f"rank {rank} of {job} failed:\n{stderr[-4000:]}"
+    return [
+        {**json.loads((out / f"rank{r}.json").read_text()), "stdout": done[r][1]} for r in range(2)
+    ]
+
+
+def _one_run(db: Path) -> Any:
+    with Store(db) as store:
+        (run,) = store.runs()
+        alerts = [e for e in store.events(run.id) if e["kind"] == "alert"]
+        steps = store.metrics(run.id, values.STEP_LOSS)[0].tolist()
+    return run, alerts, steps
+
+
+# -- Lightning: FSDPStrategy (FSDP1) ------------------------------------------------------------
+def test_lightning_fsdp1_needs_a_gpu() -> None:
+    """Lightning's FSDPStrategy cannot run here: Lightning refuses it on the CPU (the bridge's
+    docs send sharded CPU runs to ModelParallelStrategy)."""
+    import lightning.pytorch as pl
+
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
+
+
+# -- Hugging Face Trainer: accelerate's FSDP is for GPUs ---------------------------------------
+@pytest.fixture(scope="module")
+def transformers_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("transformers_fsdp")
+    return {"out": out, "ranks": _two_ranks("transformers_fsdp_job.py", out, "5")}
+
+
+def test_transformers_fsdp_on_the_cpu_trains_under_ddp_and_the_bridge_says_so(
+    transformers_run: dict[str, Any],
+) -> None:
+    ranks = [r["fsdp_args"] for r in transformers_run["ranks"]]
+    for rank in ranks:
+        assert (rank["fsdp_enabled"], rank["distributed_type"]) == (
+            False,
+            "DistributedType.MULTI_CPU",
+        )
+        # The whole model on every rank: the gradient detectors and rollback stay on.
+        assert (rank["grads"], rank["restores"]) == (True, True)
+        # Rank 1's NaN (step 5) stops both ranks at the same step (the losses read at step 8).
+        assert rank["alerts"] == [[5, "nonfinite"]] and rank["stop_reason"] == "nonfinite at step 5"
+        assert rank["global_step"] == 8 and rank["steps"] == list(range(1, 9))
+    dropped = [m for m in ranks[0]["warnings"] if "TrainingArguments(fsdp=...)" in m]
+    assert len(dropped) == 1 and "accelerate shards (FSDP) only on GPUs" in dropped[0]
+    assert not any("TrainingArguments(fsdp=...)" in m for m in ranks[1]["warnings"])
+    run, alerts, steps = _one_run(transformers_run["out"] / "runs.db")
+    assert (run.name, run.status, run.config["host"]) == ("fsdp-args", "anomaly", "transformers")
+    assert [(e["step"], e["data"]["kind"]) for e in alerts] == [(5, "nonfinite")]
+    assert steps == list(range(1, 9))
+
+
+def test_transformers_attach_refuses_a_model_sharded_beforehand(
+    transformers_run: dict[str, Any],
+) -> None:
+    for rank in transformers_run["ranks"]:
+        message = rank["preshard"]
+        assert message is not None and message.startswith(
+            "attach() got a Trainer whose model is sharded already (fully_shard"
+        )
+        assert "accelerate runs FSDP only on GPUs, and this one trains on 'cpu'" in message
+        assert "stepwatch.watch or stepwatch.Model" in message
