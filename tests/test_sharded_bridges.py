@@ -1,6 +1,9 @@
 """The bridges under sharding (FSDP2), on two real CPU processes (gloo): what runs here, and
 what the bridge does where it runs.
 
+- Lightning's ModelParallelStrategy (FSDP2, ``fully_shard`` in ``configure_model``) runs on the
+  CPU: the bridge keeps the gradient detectors on, reading the full model's norm; a NaN on one
+  rank stops both at the same step; a rollback restores each rank's own shards.
 - Lightning's FSDPStrategy (FSDP1) needs a GPU: Lightning refuses it on the CPU.
 - The Hugging Face Trainer shards only on GPUs: on the CPU accelerate drops ``fsdp=...`` and
   trains under DDP (the bridge says so, and watches the DDP run it is); a model sharded
@@ -91,7 +94,71 @@ def _one_run(db: Path) -> Any:
     return run, alerts, steps
 
 
-# -- Lightning: FSDPStrategy (FSDP1) ------------------------------------------------------------
+# -- Lightning: ModelParallelStrategy (FSDP2) --------------------------------------------------
+@pytest.fixture(scope="module")
+def lightning(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("lightning_fsdp")
+    return {"out": out, "ranks": _two_ranks("lightning_fsdp_job.py", out)}
+
+
+def test_lightning_fsdp2_shards_and_keeps_the_gradient_detectors_on(
+    lightning: dict[str, Any],
+) -> None:
+    healthy = [r["healthy"] for r in lightning["ranks"]]
+    for rank in healthy:
+        assert rank["param_type"] == "DTensor"
+        assert (rank["grads"], rank["restores"]) == (True, True)
+        assert rank["steps"] == list(range(1, 33))  # 2 epochs of 16 steps on each rank
+        assert rank["alerts"] == []
+    # The ranks hold different shards of the model, and see the same full-model norm.
+    sizes = [r["rollback"]["shard_sizes"] for r in lightning["ranks"]]
+    assert sizes[0] != sizes[1] and sum(map(sum, sizes)) == 4 * 16 + 16 + 16 + 1
+    assert healthy[0]["reference"] == healthy[1]["reference"]
+    # AnomalyMonitor's global gradient norm is clip_grad_norm_'s total over the shards.
+    for rank in healthy:
+        measured = rank["measured"]
+        assert len(measured) >= 4
+        for step, norm in measured.items():
+            assert norm == pytest.approx(rank["reference"][step], rel=1e-5)
+    assert healthy[0]["measured"] == healthy[1]["measured"]
+    run, alerts, steps = _one_run(lightning["out"] / "healthy.db")
+    assert (run.status, run.config["host"], alerts) == ("finished", "lightning", [])
+    assert run.config["host_config"]["trainer"]["strategy"] == "ModelParallelStrategy"
+    assert steps == list(range(1, 33))
+
+
+def test_lightning_fsdp2_a_nan_on_one_rank_stops_both_at_the_same_step(
+    lightning: dict[str, Any],
+) -> None:
+    nan = [r["nan"] for r in lightning["ranks"]]
+    # Lightning's step 20 is stepwatch's step 21: the NaN in rank 1's loss (and so in every
+    # rank's gradient shards) is alerted on both ranks at that step, and both stop there.
+    for rank in nan:
+        assert rank["alerts"] == [[21, "nonfinite"]]
+        assert rank["stop_reason"] == "nonfinite at step 21"
+    assert nan[0]["global_step"] == nan[1]["global_step"] <= 24
+    assert nan[0]["steps"] == nan[1]["steps"] == list(range(1, nan[0]["global_step"] + 1))
+    run, alerts, steps = _one_run(lightning["out"] / "nan.db")
+    assert (run.name, run.status) == ("nan", "anomaly")
+    assert [(e["step"], e["data"]["kind"]) for e in alerts] == [(21, "nonfinite")]
+    assert steps == nan[0]["steps"]
+    out = [r["stdout"] for r in lightning["ranks"]]
+    # One set of LossMonitor's lines: rank 0's.
+    assert out[0].count("epoch: 1 step: 8, loss is") == 1 and "loss is" not in out[1]
+
+
+def test_lightning_fsdp2_rollback_restores_each_ranks_shards(lightning: dict[str, Any]) -> None:
+    for rank in (r["rollback"] for r in lightning["ranks"]):
+        assert rank["rollbacks"] == [[20, 21]]  # to the copy of step 20, at step 21
+        assert rank["outcomes"] == [
+            "rolled back to step 20 (1 of 3); the batch of step 21 is skipped"
+        ]
+        # The parameters' and Adam's shards after the rollback are those kept at step 20.
+        assert rank["restored_equal_kept"] is True
+        assert rank["stop_reason"] is None and rank["global_step"] == 32
+        assert rank["final_finite"] is True
+
+
 def test_lightning_fsdp1_needs_a_gpu() -> None:
     """Lightning's FSDPStrategy cannot run here: Lightning refuses it on the CPU (the bridge's
     docs send sharded CPU runs to ModelParallelStrategy)."""
