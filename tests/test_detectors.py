@@ -312,6 +312,7 @@ def test_grad_explosion_fires_on_the_step_once_per_episode() -> None:
 def test_grad_explosion_absolute_bound_applies_from_the_first_step() -> None:
     alerts = feed(GradExplosion(max_norm=100.0), [1.0, 500.0, 1.0, 2.0])
     assert [a.step for a in alerts] == [2]
+    assert "gradient norm is 500, over max_norm 100" in alerts[0].message
 
 
 # ---- grad_vanishing ----

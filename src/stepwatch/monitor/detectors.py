@@ -404,8 +404,10 @@ class GradExplosion(Detector):
                 self._var = (1.0 - self.alpha) * (self._var + self.alpha * d * d)
         if not self._edge(explodes):
             return None
-        typical = math.exp(self._mean) if not self.warming_up else math.nan
-        seen = f"{self.name} jumped to {value:.6g} (running mean {typical:.6g})"
+        if self.warming_up:
+            seen = f"{self.name} is {value:.6g}, over max_norm {self.max_norm:g}"
+        else:
+            seen = f"{self.name} jumped to {value:.6g} (running mean {math.exp(self._mean):.6g})"
         return self._alert(step, epoch, seen, value)
 
 
