@@ -74,6 +74,7 @@ def test_a_spike_at_step_50_is_alerted_and_rolled_back(steps: int) -> None:
     assert len(losses) == steps  # the run went on from the restored state
 
 
+@pytest.mark.timeout(600)  # 6,000 real steps: seconds alone, minutes on a loaded machine
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_separable_run_whose_losses_reach_zero_raises_nothing_in_6000_steps(seed: int) -> None:
     torch.manual_seed(seed)
