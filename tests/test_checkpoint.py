@@ -593,3 +593,44 @@ def test_flipped_bytes_in_a_checkpoints_weights_are_found_on_load(tmp_path: Path
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="is damaged: its contents do not match the checksum"):
         stepwatch.load_checkpoint(path, nn.Linear(64, 64))
+
+
+class _SignalOnFirstLook(list):  # type: ignore[type-arg]
+    """Batches whose first look (Model.eval's checks, before any callback begins) brings a
+    SIGTERM, as a signal sent just after eval() was called does."""
+
+    sent = False
+
+    def __getitem__(self, index: Any) -> Any:
+        if not self.sent:
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().__getitem__(index)
+
+
+def test_a_signal_that_comes_before_the_eval_pass_begins_stops_it(tmp_path: Path) -> None:
+    model = make_model(metrics={"accuracy"})
+    trained = OnRequestExit(directory=tmp_path, file_name="train")
+    evaluated = OnRequestExit(directory=tmp_path, file_name="net")
+    seen: list[int] = []
+    record = LambdaCallback(on_eval_step_end=lambda rc: seen.append(rc.cb_params.cur_step_num))
+    try:
+        model.train(1, make_batches(2), callbacks=[trained])  # its handler stays installed
+        # The signal comes while eval() checks its data: the training's handler takes it,
+        # and the pass that begins next acts on it (MindSpore's test: SIGTERM 0.14 s in).
+        model.eval(_SignalOnFirstLook(make_batches(40)), callbacks=[record, evaluated])
+        assert seen == [1] and evaluated.checkpoint_path == tmp_path / "net_eval.pt"
+        assert trained.received is None  # handed over, not acted on twice
+        # Between runs, to the same callback: the next run stops after its first step.
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_until(lambda: evaluated.received == signal.SIGTERM)
+        seen.clear()
+        model.eval(make_batches(40), callbacks=[record, evaluated])
+        assert seen == [1]
+        # A signal that stopped a run is not carried into the next one.
+        seen.clear()
+        model.eval(make_batches(40), callbacks=[record, evaluated])
+        assert len(seen) == 40
+    finally:
+        evaluated.restore_handlers()
+        trained.restore_handlers()

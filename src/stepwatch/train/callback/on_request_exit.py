@@ -32,9 +32,10 @@ class OnRequestExit(Callback):
 
     In ``Model.eval`` the signal ends the pass after the step in flight and the evaluated
     network's weights are saved to ``{directory}/{file_name}_eval.pt``. As in MindSpore, the
-    handler stays installed when the run ends, so a signal between two runs (or before the
-    next one has begun) does not kill the process; outside a run, SIGINT still interrupts
-    at once.
+    handler stays installed when the run ends, so a signal between two runs (or while the
+    next one is being set up, before its callbacks begin) does not kill the process; it is
+    kept, and the next run with an OnRequestExit (this one or another) stops after its first
+    step and saves. Outside a run, SIGINT still interrupts at once.
 
     Args:
         save_ckpt: write the checkpoint before stopping.
@@ -87,6 +88,7 @@ class OnRequestExit(Callback):
         self.checkpoint_path: Path | None = None
         self._previous: dict[signal.Signals, Any] = {}
         self._running = False  # a run (training, or Model.eval on its own) is in progress
+        self._pending = False  # self.received came outside a run: the next run acts on it
         self._evaluating = False
 
     @property
@@ -97,35 +99,48 @@ class OnRequestExit(Callback):
         if signum == signal.SIGINT and (self.received is not None or not self._running):
             raise KeyboardInterrupt
         self.received = signal.Signals(signum)
+        # Outside a run (between two, or as the next is being set up): kept for that run.
+        self._pending = not self._running
 
-    def _install(self) -> None:
+    def _begin(self) -> None:
+        """A run starts: act on a signal that came before it (to this callback, or to the
+        OnRequestExit whose handler was installed until now), else start clean."""
+        pending = self.received if self._pending else None
+        self._pending = False
+        self.checkpoint_path = None
+        self._running = True
+        self.received = self._install() or pending
+
+    def _install(self) -> signal.Signals | None:
+        """Install the handlers; return a signal another OnRequestExit's handler took outside
+        a run (it was meant for the run starting now), which that callback then forgets."""
         if threading.current_thread() is not threading.main_thread():
             warnings.warn(
                 "OnRequestExit only works when training runs on the main thread; signals are "
                 "not handled.",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-            return
+            return None
+        taken = None
         for s in self.signals:
             current = signal.getsignal(s)
             if current != self._handle:
+                other = getattr(current, "__self__", None)
+                if isinstance(other, OnRequestExit) and other._pending:
+                    taken, other.received, other._pending = other.received, None, False
                 self._previous.setdefault(s, current)
                 signal.signal(s, self._handle)
+        return taken
 
     def on_train_begin(self, run_context: RunContext) -> None:
-        self.received = None
-        self.checkpoint_path = None
-        self._running = True
-        self._install()
+        self._begin()
 
     def on_eval_begin(self, run_context: RunContext) -> None:
         if run_context.cb_params.get("mode") == "eval" and not self._running:
             # Model.eval on its own: its own run (inside fit, the training run's state holds).
-            self.received = None
-            self.checkpoint_path = None
-            self._running = self._evaluating = True
-            self._install()
+            self._evaluating = True
+            self._begin()
 
     def on_eval_step_end(self, run_context: RunContext) -> None:
         if self._evaluating and self.received is not None:
