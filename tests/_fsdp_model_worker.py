@@ -165,6 +165,28 @@ def scenario_train(out: Path, rank: int) -> dict[str, Any]:
             if rank == 0:
                 save_checkpoint(model, out / "ddp.pt")  # a plain checkpoint, one file
             torch.save(ddp_weights, out / f"ddp-rank{rank}.pt")
+        if kind == "layer":
+            # MindSpore's eval network (the whole batch in, (loss, prediction, label) out)
+            # around the sharded one, on the same uneven shares.
+            class EvalNet(nn.Module):
+                def __init__(self, inner: nn.Module) -> None:
+                    super().__init__()
+                    self.inner = inner
+
+                def forward(self, data: torch.Tensor, label: torch.Tensor) -> Any:
+                    prediction = self.inner(data)
+                    return nn.functional.mse_loss(prediction, label), prediction, label
+
+            indexed = Model(
+                net,
+                nn.MSELoss(),
+                model.optimizer,
+                {"mae"},
+                EvalNet(net),
+                [0, 1, 2],
+                device="cpu",
+            )
+            result["layer_indexed_eval"] = indexed.eval(NumpySlicesDataset((vx, vy)).batch(4))
 
     # A tensor-parallel layout: Model cannot split the data for it, and says so.
     from torch.distributed.device_mesh import init_device_mesh

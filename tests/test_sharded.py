@@ -110,6 +110,8 @@ def test_sharded_evaluation_on_uneven_shares_gives_the_global_metrics(
         result = runs["train"][rank]
         for kind in ("whole", "layer"):
             assert result[kind]["eval"]["mae"] == pytest.approx(result["ddp"]["eval"]["mae"], 1e-4)
+        # MindSpore's eval network with eval_indexes around the sharded network, too.
+        assert result["layer_indexed_eval"]["mae"] == pytest.approx(result["layer"]["eval"]["mae"])
 
 
 def test_sharded_checkpoints_hold_each_ranks_shards_beside_the_file(runs: dict[str, Any]) -> None:

@@ -72,6 +72,7 @@ def eval_pass(
     # A sharded network: every rank runs as many forwards (each gathers the parameters).
     extra = extra_forwards(network, batch_num) if cb_params.device_number > 1 else 0
     data: Any = None
+    inputs: Any = None
     was_training = network.training
     network.eval()
     try:
@@ -126,9 +127,9 @@ def eval_pass(
                 if stoppable and run_context.stop_requested:
                     break
             if extra and steps == batch_num:
-                with amp:
+                with amp:  # the last batch again: joins the other ranks' gathers, not counted
                     for _ in range(extra):
-                        feed(network, data)  # joins the other ranks' gathers; not counted
+                        feed(network, data) if indexes is None else network(*inputs)
         total = fold_losses(total, pending)
         loss_sum = float(total) if total is not None and steps else None
         if cb_params.device_number > 1:

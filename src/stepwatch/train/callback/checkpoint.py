@@ -187,7 +187,7 @@ class ModelCheckpoint(MonitorCallback):
         # Distributed: rank 0 writes; the others keep the same state and write nothing (in a
         # sharded run every rank writes its shards, into the files rank 0 names).
         self._writes = writes_here(cb_params)
-        self._sharded = is_sharded(cb_params.train_network)
+        self._sharded = is_sharded(cb_params.get("train_network"))  # None: built by hand
         if cb_params.rank_id == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.directory, self._prefix_requested)
