@@ -19,14 +19,19 @@ from stepwatch.monitor.detectors import Alert, Detector
 
 
 @pytest.fixture(autouse=True)
-def _quiet_and_flushed() -> Iterator[None]:
+def _quiet_and_fast() -> Iterator[None]:
     logging.getLogger("stepwatch").disabled = True
     # a loss that reached 0 leaves gradients in the subnormal range, which the CPU handles
-    # many times slower; flushing them to 0 keeps these runs fast (and changes no alert)
+    # many times slower; flushing them to 0 keeps these runs fast (and changes no alert); one
+    # thread, as the bench runs them: tiny networks gain nothing from two, and on a busy
+    # machine a second one waits for a core at every op
+    threads = torch.get_num_threads()
     torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
+        torch.set_num_threads(threads)
         torch.set_flush_denormal(False)
         logging.getLogger("stepwatch").disabled = False
 

@@ -150,7 +150,7 @@ def test_spike_args_validation() -> None:
     with pytest.raises(ValueError, match="'lone_ratio' must be >= 1"):
         Spike(lone_ratio=0.5)
     assert Spike().warmup == 16  # a spike at step 50 of a short run is judged
-    assert Spike(window=10).warmup == 10  # the default warm-up follows a small window
+    assert Spike(window=10).warmup == 5  # the default warm-up follows a small window
 
 
 def test_spike_fires_on_the_spike_step_and_not_during_warmup() -> None:

@@ -109,7 +109,8 @@ class Spike(Detector):
         window: values behind the spread (default 64).
         z: the spread multiple to exceed (default 8).
         min_ratio: the floored value must exceed ``min_ratio`` x the floored level (default 2).
-        warmup: values needed before it can fire (default 16, at most ``window``).
+        warmup: values needed before it can fire (default 16, or half a smaller window;
+            at most ``window``).
         name: what the values are, for the message.
         peak_ratio: x the recent peak excursion that counts (default 2; None for no peak
             guard).
@@ -136,7 +137,7 @@ class Spike(Detector):
         self.z = check_number("z", z, minimum=0.0)
         self.min_ratio = check_number("min_ratio", min_ratio, minimum=1.0)
         warmup = check_int("warmup", warmup, minimum=3, allow_none=True)
-        self.warmup = min(16, self.window) if warmup is None else warmup
+        self.warmup = max(3, min(16, self.window // 2)) if warmup is None else warmup
         if self.warmup > self.window:
             raise ValueError(f"'warmup' must be <= window ({window}), but got {_got(warmup)}.")
         self.name = _check_name(name)
