@@ -548,6 +548,18 @@ def test_the_trainers_gradient_norm_before_clipping_is_cb_params_grad_norm(
     np.testing.assert_allclose(seen, logged, rtol=1e-5)
     assert max(seen) > 0.5  # before clipping: the gradients the optimizer used were clipped
     assert "clip_grad_norm_" not in vars(trainer.accelerator)
+    # AnomalyMonitor's gradient detectors judge that norm, not the clipped gradients' norm.
+    monitor = AnomalyMonitor(grad_every_n_steps=4)
+    trainer = _trainer(
+        tmp_path, [StepwatchCallback([monitor])], num_train_epochs=1, max_grad_norm=0.5,
+        logging_strategy="steps", logging_steps=1,
+    )  # fmt: skip
+    trainer.train()
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    judged = dict(zip(monitor._history["grad_step"], monitor._history["grad_norm"]))
+    assert len(judged) >= 4 and max(judged.values()) > 0.5  # above what the clipping leaves
+    for step, norm in judged.items():
+        assert norm == pytest.approx(logged[step - 1], rel=1e-5)
     # Given to a Trainer without attach, the bridge does not reach inside it: no norm.
     norms = GradNorms()
     trainer = _trainer(tmp_path, [], num_train_epochs=1, max_grad_norm=0.5)

@@ -183,6 +183,25 @@ def test_clip_grad_norm_bounds_the_update_and_reports_the_pre_clip_norm() -> Non
     assert isinstance(norms[0], torch.Tensor) and float(norms[0]) > 0.01
 
 
+def test_anomaly_monitor_judges_the_norm_before_clipping() -> None:
+    """Under clip_grad_norm the gradients left are clipped; AnomalyMonitor's gradient
+    detectors judge the loop's own global norm before clipping (cb_params.grad_norm)."""
+    from stepwatch import AnomalyMonitor
+
+    norms: dict[int, float] = {}
+    monitor = AnomalyMonitor(grad_every_n_steps=2)
+    spy = LambdaCallback(
+        on_train_step_end=lambda rc: norms.update(
+            {rc.cb_params.cur_step_num: float(rc.cb_params.grad_norm)}
+        )
+    )
+    _model(lr=0.1, clip_grad_norm=0.01).train(1, make_batches(8), callbacks=[monitor, spy])
+    judged = dict(zip(monitor._history["grad_step"], monitor._history["grad_norm"]))
+    assert len(judged) >= 3 and min(judged.values()) > 0.01  # not the clipped gradients' norm
+    for step, norm in judged.items():
+        assert norm == pytest.approx(norms[step], rel=1e-6)
+
+
 def test_clip_grad_value_clamps_each_gradient() -> None:
     largest: list[float] = []
 

@@ -43,10 +43,12 @@ What the bridge reads from the Trainer:
   loader without a length) and the epochs (``num_train_epochs``, or fewer under ``max_steps``);
 - **gradients**: ``on_optimizer_step`` comes after ``optimizer.step()`` and before the
   Trainer's ``zero_grad``, so gradient detectors read them there. They are the gradients the
-  optimizer used: clipped to ``max_grad_norm`` (default 1.0), so the explosion detector sees
-  at most that norm (set ``max_grad_norm=0`` to watch raw norms); NaN gradients stay NaN.
-  The step's global norm before clipping, as the Trainer computes it (its accelerator's
-  ``clip_grad_norm_``, kept while an attached Trainer trains), is ``cb_params.grad_norm``.
+  optimizer used: clipped to ``max_grad_norm`` (default 1.0); NaN gradients stay NaN. The
+  step's global norm before clipping, as the Trainer computes it (its accelerator's
+  ``clip_grad_norm_``, kept while an attached Trainer trains), is ``cb_params.grad_norm``,
+  and AnomalyMonitor's explosion and non-finite detectors judge it (without ``attach``: the
+  clipped gradients' norm, at most ``max_grad_norm``; set ``max_grad_norm=0`` to watch raw
+  norms).
   Sharded: accelerate shards the model (``TrainingArguments(fsdp=...)``) only on GPUs. On the
   CPU it drops ``fsdp`` and the Trainer trains under DDP, every rank holding the whole model:
   the bridge says so once (a warning) and watches the DDP run it is, gradient detectors and

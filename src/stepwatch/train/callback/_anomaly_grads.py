@@ -332,13 +332,20 @@ class GradientWatch:
     def _layer_detectors(self) -> list[Detector | None]:
         return [self.explosion, self.vanishing, self.dying, self.saturation]
 
-    def measure(self) -> torch.Tensor | None:
-        """This step's measurement on the device (the activations' fractions packed with the
-        gradients'), or None when some layer has no gradient yet."""
+    def measure(self, host_norm: Any = None) -> torch.Tensor | None:
+        """This step's measurement on the device (the activations' fractions and the
+        trainer's own global norm packed with the gradients'), or None when some layer has no
+        gradient yet.
+
+        ``host_norm``: the global gradient norm before clipping, where the trainer computes
+        it (``cb_params.grad_norm``: ``Model`` with ``clip_grad_norm``, the Hugging Face
+        Trainer); the explosion and non-finite detectors judge it instead of the measured
+        norm, which is that of the gradients after clipping."""
         if self.stats is None:
             return None
         acts = self.acts.take() if self.acts is not None else ()
-        return self.stats.measure(acts)
+        where = self.stats.params[0].device  # (a DTensor's: its local shard's)
+        return self.stats.measure([*acts, _norm_slot(host_norm, where)])
 
     def arm(self) -> None:
         """Hook the activations of the next forward pass."""
@@ -368,7 +375,10 @@ class GradientWatch:
         """The alerts of a measurement on the host (``loss_nonfinite``: the loss's NaN
         detector, whose episode a non-finite norm belongs to when it is already in one)."""
         assert self.stats is not None
-        total, norms, dead, saturated = self.stats.split(host)
+        total, norms, dead, extra = self.stats.split(host)
+        saturated, fed = extra[:-1], extra[-1]
+        if fed != _NO_NORM:  # the trainer's own norm, before clipping (NaN stays NaN)
+            total = fed
         self.history["grad_step"].append(step)
         self.history["grad_norm"].append(total)
         nonfinite = None
@@ -393,6 +403,23 @@ class GradientWatch:
     def in_nonfinite_episode(self) -> bool:
         """A non-finite gradient norm was raised and has not cleared."""
         return self.nonfinite is not None and self.nonfinite.in_episode
+
+
+# In a measurement's last slot: the trainer gave no norm of its own (a norm is >= 0 or NaN).
+_NO_NORM = -1.0
+
+
+def _norm_slot(norm: Any, device: torch.device) -> torch.Tensor:
+    """The trainer's own global gradient norm as a measurement's extra value: a 0-d float32
+    tensor on ``device`` (:data:`_NO_NORM` when it gave none). A DTensor norm is made whole
+    first."""
+    if norm is None:
+        return torch.full((), _NO_NORM, device=device)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if isinstance(norm, torch.Tensor):
+        return norm.detach().reshape(()).to(device=device, dtype=torch.float32)
+    return torch.full((), float(norm), device=device)
 
 
 def _first(detectors: Sequence[Detector], cls: type[Any]) -> Any:

@@ -95,6 +95,12 @@ class AnomalyMonitor(Callback):
     rollback restores each rank's own state, shards included); rank 0 alone logs, records
     and writes snapshots.
 
+    Where the trainer computes the step's global gradient norm before clipping
+    (``cb_params.grad_norm``: ``Model`` with ``clip_grad_norm``, the Hugging Face Trainer
+    through its bridge), the explosion and non-finite gradient detectors judge that norm,
+    packed with the measurement (no collective of its own), rather than the norm of the
+    clipped gradients, which never exceeds the clipping bound.
+
     Each alert is an :class:`~stepwatch.monitor.detectors.Alert` (``step`` is the step where
     the anomaly happened, even when it is read a few steps later). It is appended to
     :attr:`alerts`, logged once (logger ``'stepwatch'``, level WARNING) with what was seen,
@@ -428,7 +434,7 @@ class AnomalyMonitor(Callback):
         p = self._run_context.cb_params
         measured = None
         if p.get("optimizer_stepped", True):
-            measured = self._grads.measure()
+            measured = self._grads.measure(p.get("grad_norm"))
         if measured is None:  # mid accumulation window, or no gradient yet: the next step
             self._clock.grads_at(step + 1)
             return
