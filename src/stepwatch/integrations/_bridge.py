@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from ..monitor import values as names
 from ..train.callback._callback import normalize_callbacks
 from ..train.engine import RunEngine
+from ..train.sharded import is_sharded
 from ..view.host import HostControls
 
 __all__ = [
@@ -140,21 +142,14 @@ def sharding_of(module: Any) -> str | None:
     parameters are DTensors, whose gradients the detectors read as the full model's and
     whose shards a rollback copies rank by rank), ``'fsdp1'`` (``FullyShardedDataParallel``:
     flattened shards, which stepwatch does not read), or None (whole on every rank)."""
-    if not isinstance(module, torch.nn.Module) or not torch.distributed.is_available():
+    if not isinstance(module, torch.nn.Module):
         return None
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
+    if "torch.distributed.fsdp" in sys.modules:  # (else nothing is sharded with it)
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
-    modules = list(module.modules())
-    if any(isinstance(m, FullyShardedDataParallel) for m in modules):
-        return "fsdp1"
-    # (between a forward without gradients and the next reshard, FSDP2 registers the gathered
-    # plain parameters: its modules tell, not the parameters alone)
-    if any(isinstance(m, FSDPModule) for m in modules) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    ):
-        return "fsdp2"
-    return None
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+            return "fsdp1"
+    return "fsdp2" if is_sharded(module) else None
 
 
 class Bridge:
