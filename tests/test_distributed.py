@@ -398,6 +398,10 @@ def test_distributed_monitor_under_fsdp2_compares_only_what_is_meant_to_be_equal
         assert result["fsdp"]["alerts"] == []
         last = result["fsdp"]["last"]
         assert last["loss_min"] <= last["loss_mean"] <= last["loss_max"]
+        # FlopsUtilizationCollector on the sharded network: FlopCounterMode's count of a step.
+        shard, full, by_hand = result["fsdp"]["flops"]
+        assert shard == pytest.approx(by_hand, rel=0.02) and full == 2 * shard
+        assert 0 < result["fsdp"]["mfu"] <= 1
         # HSDP over (replicate=2, shard=1): both ranks hold the same shards, which must agree.
         assert result["hsdp"]["healthy"] == []
         [(step, kind, message)] = result["hsdp"]["knocked"]
@@ -405,6 +409,8 @@ def test_distributed_monitor_under_fsdp2_compares_only_what_is_meant_to_be_equal
         assert message.startswith("step 4: rank 1's shards are out of step with rank 0's")
     with Store(tmp_path / "sharded.db") as store:
         [run] = store.runs()
-        assert {"dist/loss_mean", "dist/step_time_max"} <= set(store.keys(run.id))
+        assert {"dist/loss_mean", "dist/step_time_max", "mfu", "flops_per_step"} <= set(
+            store.keys(run.id)
+        )
         _, means = store.metrics(run.id, "dist/loss_mean")
         assert len(means) == 4  # steps 4, 8, 12, 16

@@ -35,6 +35,7 @@ PACKAGE_ALL = [
     "EarlyStopping",
     "Every",
     "FixedLossScaleManager",
+    "FlopsUtilizationCollector",
     "History",
     "LambdaCallback",
     "LearningRateScheduler",

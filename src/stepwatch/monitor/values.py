@@ -20,7 +20,9 @@ name                   meaning                                                 b
 
 Step values (recorded every few steps): ``step_loss`` (the step's training loss),
 ``step_time`` (seconds per step), ``lr`` (first parameter group's learning rate), and with loss
-scaling ``loss_scale`` and ``skipped_steps`` (optimizer steps skipped on an overflow, so far).
+scaling ``loss_scale`` and ``skipped_steps`` (optimizer steps skipped on an overflow, so far);
+with ``FlopsUtilizationCollector`` ``flops_per_step``, ``mfu`` (model FLOPs utilization, a
+fraction) and ``samples_per_second`` or ``tokens_per_second`` (the whole job's throughput).
 
 "Better" comes from the metric when it declares it (``Metric.direction``, ``'min'`` or
 ``'max'``), otherwise from the name: names holding a loss/error word are minimised, ``lr``
@@ -35,12 +37,16 @@ from typing import Any, Literal
 
 __all__ = [
     "EVAL_LOSS",
+    "FLOPS_PER_STEP",
     "LOSS",
     "LOSS_SCALE",
     "LR",
+    "MFU",
+    "SAMPLES_PER_SECOND",
     "SKIPPED_STEPS",
     "STEP_LOSS",
     "STEP_TIME",
+    "TOKENS_PER_SECOND",
     "Direction",
     "direction",
     "epoch_values",
@@ -61,6 +67,10 @@ STEP_TIME = "step_time"
 LR = "lr"
 LOSS_SCALE = "loss_scale"
 SKIPPED_STEPS = "skipped_steps"
+FLOPS_PER_STEP = "flops_per_step"
+MFU = "mfu"
+SAMPLES_PER_SECOND = "samples_per_second"
+TOKENS_PER_SECOND = "tokens_per_second"
 
 # Substrings of a name for which smaller is better.
 _SMALLER_IS_BETTER = (

@@ -19,6 +19,7 @@ from .checkpoint import ModelCheckpoint
 from .checkpoint_config import CheckpointConfig
 from .distributed_monitor import DistributedMonitor
 from .early_stopping import EarlyStopping
+from .flops_utilization_collector import FlopsUtilizationCollector
 from .history import History
 from .lambda_callback import LambdaCallback
 from .loss_monitor import LossMonitor
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointConfig",
     "DistributedMonitor",
     "EarlyStopping",
+    "FlopsUtilizationCollector",
     "History",
     "LambdaCallback",
     "LearningRateScheduler",

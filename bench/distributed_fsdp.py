@@ -1,0 +1,302 @@
+"""Steps/s of an FSDP2-sharded hand loop on 2 CPU processes (gloo): watched by stepwatch
+(AnomalyMonitor + RunRecorder) against the same loop unwatched; and the collectives stepwatch
+adds, counted.
+
+Workload: a 4-layer MLP (Linear(256, 256) x 3 - ReLU between - Linear(256, 10)), each layer and
+the root ``fully_shard``-ed over the 2 ranks, SGD and CrossEntropyLoss, ``--steps`` batches of
+32 rows per rank, one intra-op thread per process. Every step all-gathers the parameters and
+reduce-scatters the gradients (FSDP2's collectives).
+
+Configurations (both ranks run them in the same order, in lockstep), each on its own sharded
+network:
+
+* ``a raw FSDP2`` - ``opt.zero_grad(); loss_fn(net(x), y).backward(); opt.step()``; paired with
+  another raw loop on another network, its ratio is the noise floor.
+* ``b watched`` - the same loop inside ``stepwatch.watch(net, opt, [AnomalyMonitor(),
+  RunRecorder(db)])`` with ``run.step(loss)`` after each step: the loss detectors, the gradient
+  statistics of the full model (shard-aware, one all_reduce per measurement) and every step's
+  loss recorded on rank 0. Timed from the first step to the last (opening and closing the run
+  left out).
+* ``c watched, no gradient detectors`` - ``b`` with AnomalyMonitor's loss detectors only: the
+  difference in collectives between ``b`` and ``c`` is what the gradient statistics add.
+
+Method: in every round each configuration runs one epoch paired with a raw epoch (raw first in
+even rounds, second in odd ones); the round's score is ``(its steps/s) / (the paired raw
+steps/s)``. Round 0 is a warm-up. In the last round, rank 0 counts the collectives each
+configuration issues through ``torch.distributed`` (all_reduce, all_gather, broadcast) over its
+timed steps (FSDP2's own all-gathers and reduce-scatters go through other calls and are not
+counted), and the elements they carry. Rank 0 prints medians over the rounds (min..max too).
+
+Usage::
+
+    python bench/distributed_fsdp.py              # 10 rounds of 500 steps
+    python bench/distributed_fsdp.py --quick      # 2 rounds of 100 steps: a smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import stepwatch
+from stepwatch.distributed import shutdown
+
+BATCH_SIZE = 32
+WIDTH = 256
+CLASSES = 10
+LR = 0.01
+GOAL = 0.95
+COUNTED = ("all_reduce", "all_gather", "broadcast")
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_batches(steps: int, rank: int) -> list[Batch]:
+    generator = torch.Generator().manual_seed(100 + rank)
+    n = steps * BATCH_SIZE
+    x = torch.randn(n, WIDTH, generator=generator)
+    y = torch.randint(0, CLASSES, (n,), generator=generator)
+    return [(x[i : i + BATCH_SIZE], y[i : i + BATCH_SIZE]) for i in range(0, n, BATCH_SIZE)]
+
+
+def make_sharded(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(WIDTH, CLASSES))
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(net)
+    return net
+
+
+class Counter:
+    """Counts the collectives called through ``torch.distributed`` while it is on."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.calls: dict[str, int] = dict.fromkeys(COUNTED, 0)
+        self.elements = 0
+        for name in COUNTED:
+            original = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.on:
+                self.calls[name] += 1
+                tensor = args[1] if name == "all_gather" else args[0]
+                self.elements += tensor.numel() if isinstance(tensor, torch.Tensor) else 0
+            return original(*args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.calls = dict.fromkeys(COUNTED, 0)
+        self.elements = 0
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
+
+def raw_runner(batches: list[Batch], seed: int) -> Callable[[], float]:
+    net = make_sharded(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+
+    def run() -> float:
+        start = time.perf_counter()
+        for x, y in batches:
+            opt.zero_grad()
+            loss = loss_fn(net(x), y)
+            loss.backward()
+            opt.step()
+        return time.perf_counter() - start
+
+    return run
+
+
+def watched_runner(batches: list[Batch], db: Path, seed: int, grads: bool) -> Callable[[], float]:
+    net = make_sharded(seed)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    detectors = None if grads else ["nonfinite", "spike", "divergence", "plateau"]
+
+    def run() -> float:
+        monitor = (
+            stepwatch.AnomalyMonitor()
+            if detectors is None
+            else stepwatch.AnomalyMonitor(detectors=detectors)
+        )
+        callbacks = [monitor, stepwatch.RunRecorder(db=db, system_every=None)]
+        with stepwatch.watch(net, opt, callbacks, steps_per_epoch=len(batches)) as watched:
+            start = time.perf_counter()
+            for x, y in batches:
+                opt.zero_grad()
+                loss = loss_fn(net(x), y)
+                loss.backward()
+                opt.step()
+                watched.step(loss)
+            seconds = time.perf_counter() - start
+        return seconds
+
+    return run
+
+
+def quiet(run: Callable[[], float]) -> float:
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        return run()
+
+
+def worker(rounds: int, steps: int, db: Path) -> None:
+    rank = int(os.environ["RANK"])
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    counter = Counter()
+    try:
+        batches = make_batches(steps, rank)
+        raw = raw_runner(batches, 0)
+        configs = {
+            "a raw FSDP2": raw_runner(batches, 2),
+            "b watched": watched_runner(batches, db, 3, grads=True),
+            "c no grad det.": watched_runner(batches, db, 4, grads=False),
+        }
+        ratios: dict[str, list[float]] = {name: [] for name in configs}
+        rates: dict[str, list[float]] = {name: [] for name in configs}
+        counts: dict[str, tuple[dict[str, int], int]] = {}
+        for round_index in range(rounds + 1):
+            last = round_index == rounds
+            for name, run in configs.items():
+                gc.collect()
+                if round_index % 2:
+                    with counter.counting():
+                        t_config = quiet(run)
+                    t_raw = quiet(raw)
+                else:
+                    t_raw = quiet(raw)
+                    with counter.counting():
+                        t_config = quiet(run)
+                if last:
+                    counts[name] = (dict(counter.calls), counter.elements)
+                if round_index:
+                    ratios[name].append(t_raw / t_config)
+                    rates[name].append(steps / t_config)
+            if rank == 0:
+                label = "warm-up" if round_index == 0 else f"round {round_index}/{rounds}"
+                print(f"  {label} done", file=sys.stderr, flush=True)
+        if rank == 0:
+            report(ratios, rates, counts, steps)
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    shutdown()  # every rank leaves together
+
+
+def report(
+    ratios: dict[str, list[float]],
+    rates: dict[str, list[float]],
+    counts: dict[str, tuple[dict[str, int], int]],
+    steps: int,
+) -> None:
+    header = (
+        f"{'config':<16} {'steps/s':>8} {'ratio to raw (min..max)':>26} "
+        f"{'collectives':>12} {'elements':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, values in ratios.items():
+        ratio = statistics.median(values)
+        spread = f"{ratio:.3f} ({min(values):.3f}..{max(values):.3f})"
+        calls, elements = counts[name]
+        print(
+            f"{name:<16} {statistics.median(rates[name]):>8.0f} {spread:>26} "
+            f"{sum(calls.values()):>12} {elements:>9}"
+        )
+    print()
+    floor = statistics.median(ratios["a raw FSDP2"])
+    ratio = statistics.median(ratios["b watched"])
+    verdict = "met" if ratio >= GOAL else "NOT met"
+    print(f"goal b/a >= {GOAL:.2f}: median {ratio:.3f} (noise floor a/a {floor:.3f}) -> {verdict}")
+    b_calls, b_elements = counts["b watched"]
+    c_calls, c_elements = counts["c no grad det."]
+    extra = sum(b_calls.values()) - sum(c_calls.values())
+    print(
+        f"collectives over {steps} steps (last round, rank 0): watched {sum(b_calls.values())} "
+        f"({b_calls}), without the gradient detectors {sum(c_calls.values())}; the gradient "
+        f"statistics add {extra} collectives and {b_elements - c_elements} elements"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="measured rounds (default 10)")
+    parser.add_argument("--steps", type=int, default=500, help="steps per epoch (default 500)")
+    parser.add_argument("--quick", action="store_true", help="rounds=2, steps=100: smoke check")
+    parser.add_argument("--db", help=argparse.SUPPRESS)  # set for the two worker processes
+    args = parser.parse_args(argv)
+    rounds, steps = (2, 100) if args.quick else (args.rounds, args.steps)
+    if rounds < 1 or steps < 1:
+        parser.error("--rounds and --steps must be at least 1")
+    if args.db:
+        worker(rounds, steps, Path(args.db))
+        return 0
+    print(
+        f"distributed_fsdp: 2 processes (gloo, CPU, FSDP2), {rounds} rounds (+1 warm-up) x "
+        f"{steps} steps of batch {BATCH_SIZE} per rank, torch {torch.__version__}, 1 thread "
+        f"per process, python {sys.version.split()[0]}",
+        flush=True,
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Path(tmp) / "bench.db"
+        procs = []
+        for rank in range(2):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": "2",
+            }
+            cmd = [sys.executable, __file__, "--rounds", str(rounds), "--steps", str(steps)]
+            procs.append(subprocess.Popen([*cmd, "--db", str(db)], env=env))
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
