@@ -96,7 +96,7 @@ def test_metric_state_stays_a_tensor_until_eval() -> None:
     metric = swm.Accuracy()
     for pred, label in _batches():
         metric.update(pred, label)
-    assert isinstance(metric._correct, torch.Tensor)
+    assert isinstance(metric._sum, torch.Tensor)
 
 
 @pytest.mark.parametrize(

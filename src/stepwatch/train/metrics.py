@@ -121,32 +121,40 @@ class Metric:
             )
 
 
-class _HitRate(Metric):
-    """The fraction of samples that hit: a device-side count of hits over a host-side total."""
-
-    direction = "max"
+class _Mean(Metric):
+    """A sum over a count: both accumulate on the device the inputs live on (the sum a
+    tensor, the count a host-side int), and one copy to the host happens in ``eval()``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.clear()
 
     def clear(self) -> None:
-        self._correct: torch.Tensor | int = 0
-        self._total = 0
+        self._sum: torch.Tensor | int = 0
+        self._count = 0
 
-    def _add(self, hits: torch.Tensor) -> None:
-        self._correct = hits.sum() + self._correct
-        self._total += hits.numel()
+    def _add(self, total: torch.Tensor, count: int) -> None:
+        self._sum = total + self._sum
+        self._count += count
 
     def eval(self) -> float:
-        self._need_updates(self._total)
-        return float(self._correct) / self._total
+        self._need_updates(self._count)
+        return float(self._sum) / self._count
 
     def reduce_state(self) -> list[Any]:
-        return [self._correct, self._total]
+        return [self._sum, self._count]
 
     def load_reduced_state(self, values: list[torch.Tensor]) -> None:
-        self._correct, self._total = values[0], int(values[1])
+        self._sum, self._count = values[0], int(values[1])
+
+
+class _HitRate(_Mean):
+    """The fraction of samples that hit: a device-side count of hits over a host-side total."""
+
+    direction = "max"
+
+    def _hits(self, hits: torch.Tensor) -> None:
+        self._add(hits.sum(), hits.numel())
 
 
 class Accuracy(_HitRate):
@@ -169,7 +177,7 @@ class Accuracy(_HitRate):
             else:
                 pred, label = _class_predictions(y_pred, y)
                 hits = pred == label
-            self._add(hits)
+            self._hits(hits)
 
 
 class TopKCategoricalAccuracy(_HitRate):
@@ -188,7 +196,7 @@ class TopKCategoricalAccuracy(_HitRate):
                 y = y.argmax(dim=-1)
             k = min(self.k, y_pred.shape[-1])
             top = y_pred.topk(k, dim=-1).indices
-            self._add((top == y.reshape(-1, 1)).any(dim=-1))
+            self._hits((top == y.reshape(-1, 1)).any(dim=-1))
 
 
 class Top1CategoricalAccuracy(TopKCategoricalAccuracy):
@@ -205,16 +213,10 @@ class Top5CategoricalAccuracy(TopKCategoricalAccuracy):
         super().__init__(5)
 
 
-class _ErrorMetric(Metric):
+class _ErrorMetric(_Mean):
+    """A per-sample error (summed over a sample's outputs), averaged over samples."""
+
     direction = "min"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clear()
-
-    def clear(self) -> None:
-        self._sum: torch.Tensor | int = 0
-        self._samples = 0
 
     def _error(self, diff: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -223,18 +225,7 @@ class _ErrorMetric(Metric):
         y_pred, y = _two_inputs(self, inputs)
         with torch.no_grad():
             diff = y_pred.float() - y.reshape(y_pred.shape).to(y_pred.device).float()
-            self._sum = self._error(diff).sum() + self._sum
-            self._samples += y_pred.shape[0] if y_pred.ndim else 1
-
-    def eval(self) -> float:
-        self._need_updates(self._samples)
-        return float(self._sum) / self._samples
-
-    def reduce_state(self) -> list[Any]:
-        return [self._sum, self._samples]
-
-    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
-        self._sum, self._samples = values[0], int(values[1])
+            self._add(self._error(diff).sum(), y_pred.shape[0] if y_pred.ndim else 1)
 
 
 class MAE(_ErrorMetric):
@@ -251,37 +242,18 @@ class MSE(_ErrorMetric):
         return diff * diff
 
 
-class Loss(Metric):
+class Loss(_Mean):
     """Mean of the batch losses."""
 
     uses_loss = True
     direction = "min"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.clear()
-
-    def clear(self) -> None:
-        self._sum: torch.Tensor | int = 0
-        self._count = 0
 
     def update(self, *inputs: Any) -> None:
         if len(inputs) != 1:
             raise ValueError(f"Loss.update() needs 1 input (the loss), but got {len(inputs)}.")
         loss = _as_tensor(inputs[0], "loss")
         with torch.no_grad():
-            self._sum = loss.float().mean() + self._sum
-        self._count += 1
-
-    def eval(self) -> float:
-        self._need_updates(self._count)
-        return float(self._sum) / self._count
-
-    def reduce_state(self) -> list[Any]:
-        return [self._sum, self._count]
-
-    def load_reduced_state(self, values: list[torch.Tensor]) -> None:
-        self._sum, self._count = values[0], int(values[1])
+            self._add(loss.float().mean(), 1)
 
 
 class _ClassCounts(Metric):
