@@ -17,7 +17,15 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Job", "current_job", "next_run_number", "run_to_continue", "several_nodes"]
+__all__ = [
+    "Job",
+    "current_job",
+    "env_int",
+    "next_run_number",
+    "process_started",
+    "run_to_continue",
+    "several_nodes",
+]
 
 # The runs this process recorded so far: the n-th run of a later attempt continues the n-th.
 _RUNS = itertools.count()
@@ -28,12 +36,13 @@ def next_run_number() -> int:
     return next(_RUNS)
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
+    """The whole number torchrun set in the environment variable ``name``, else ``default``."""
     value = os.environ.get(name, "")
     return int(value) if value.strip().isdigit() else default
 
 
-def _started(pid: int) -> int | None:
+def process_started(pid: int) -> int | None:
     """A process's start time in clock ticks since boot (Linux), or None."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
@@ -88,20 +97,20 @@ def current_job() -> Job | None:
     parent = os.getppid()
     return Job(
         id=job_id,
-        node=_env_int("GROUP_RANK", 0),
-        nodes=_env_int("GROUP_WORLD_SIZE", 1),
-        local_rank=_env_int("LOCAL_RANK", 0),
-        local_world=_env_int("LOCAL_WORLD_SIZE", 1),
-        restart=_env_int("TORCHELASTIC_RESTART_COUNT", 0),
+        node=env_int("GROUP_RANK", 0),
+        nodes=env_int("GROUP_WORLD_SIZE", 1),
+        local_rank=env_int("LOCAL_RANK", 0),
+        local_world=env_int("LOCAL_WORLD_SIZE", 1),
+        restart=env_int("TORCHELASTIC_RESTART_COUNT", 0),
         host=socket.gethostname(),
         launcher=parent,
-        launcher_started=_started(parent),
+        launcher_started=process_started(parent),
     )
 
 
 def several_nodes() -> bool:
     """True in a torchrun job on more than one node."""
-    return _env_int("GROUP_WORLD_SIZE", 1) > 1
+    return env_int("GROUP_WORLD_SIZE", 1) > 1
 
 
 def run_to_continue(db: Any, job: Job, number: int) -> int | None:

@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .job import env_int, process_started
+
 __all__ = ["ABORT_EXIT_CODE", "Peer", "RankWatch", "end_job", "this_rank"]
 
 logger = logging.getLogger("stepwatch")
@@ -58,15 +60,6 @@ class Peer:
         return f"rank {self.rank} (host {self.host}, node {self.node})"
 
 
-def _started(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _state(pid: int) -> str:
     """The process's state letter from ``/proc`` ('T' stopped, 'R' running, ...), or ''."""
     try:
@@ -76,21 +69,16 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.strip().isdigit() else default
-
-
 def this_rank(rank: int) -> Peer:
     """This process as a :class:`Peer` (node and local rank as torchrun sets them)."""
     pid = os.getpid()
     return Peer(
         rank,
         socket.gethostname(),
-        _env_int("GROUP_RANK", 0),
-        _env_int("LOCAL_RANK", rank),
+        env_int("GROUP_RANK", 0),
+        env_int("LOCAL_RANK", rank),
         pid,
-        _started(pid),
+        process_started(pid),
     )
 
 
@@ -197,7 +185,7 @@ def kill_if_stopped_here(peer: Peer) -> bool:
     debugger's stop): torchrun's SIGTERM would wait on it for 30 s. True if it was killed."""
     if peer.host != socket.gethostname() or peer.pid <= 0 or peer.started is None:
         return False
-    if _started(peer.pid) != peer.started or _state(peer.pid) not in ("T", "t"):
+    if process_started(peer.pid) != peer.started or _state(peer.pid) not in ("T", "t"):
         return False  # another process has that id now, or it is not stopped
     try:
         os.kill(peer.pid, signal.SIGKILL)
