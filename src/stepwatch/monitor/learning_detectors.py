@@ -60,7 +60,16 @@ class _Levels:
         return _median(self.recent) if self.recent else math.nan
 
 
-class NotLearning(Detector):
+class _Chunked(Detector):
+    """A detector that judges the losses a chunk at a time (:meth:`update_many`); one value is
+    a chunk of one."""
+
+    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
+        found = self.update_many([step], [value], epoch)
+        return found[0] if found else None
+
+
+class NotLearning(_Chunked):
     """Fires when, ``patience`` steps in, the loss level (the median of the last ``window``
     losses) is still at the task's chance level - within ``tolerance`` of ln(classes), for a
     classifier - or has come down less than ``min_improvement`` (relative) from its start
@@ -98,10 +107,6 @@ class NotLearning(Detector):
         super().reset()
         self._levels = _Levels(self.window)
         self._next = self.patience
-
-    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
-        found = self.update_many([step], [value], epoch)
-        return found[0] if found else None
 
     def update_many(
         self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
@@ -280,7 +285,7 @@ class WorseThanChance(Detector):
         return self._alert(step, epoch, seen, loss)
 
 
-class RecurringBatch(Detector):
+class RecurringBatch(_Chunked):
     """Fires when the loss at the same position in the epoch (the k-th batch) is over
     ``factor`` x the median of the ``window`` losses before it, ``patience`` epochs in a row:
     a batch that is bad every epoch (the same corrupt shard), which a spike detector takes
@@ -338,10 +343,6 @@ class RecurringBatch(Detector):
     def _position(self, step: int) -> int:
         spe = self.steps_per_epoch
         return (step - 1) % spe + 1 if spe else step - self._epoch_start
-
-    def update(self, step: int, value: float, epoch: int | None = None) -> Alert | None:
-        found = self.update_many([step], [value], epoch)
-        return found[0] if found else None
 
     def update_many(
         self, steps: Sequence[int], values: Sequence[float], epoch: int | None = None
