@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Container
 from typing import Any, ClassVar
 
 from ._validation import TypeAndValueError
@@ -182,6 +183,28 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _check_int_setting(
+    kwargs: dict[str, Any],
+    name: str,
+    valid: Container[int],
+    expected: str,
+    of_type: str | None = None,
+) -> None:
+    """Refuse ``kwargs[name]``, when given, unless it is an int in ``valid``: another type is a
+    TypeAndValueError saying ``of_type`` (default ``expected``), another int a ValueError
+    saying ``expected``."""
+    if name not in kwargs:
+        return
+    value = kwargs[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeAndValueError(
+            f"set_context: {name!r} must be {of_type or expected}, but got {value!r} with type "
+            f"'{type(value).__name__}'."
+        )
+    if value not in valid:
+        raise ValueError(f"set_context: {name!r} must be {expected}, but got {value}.")
+
+
 def set_context(**kwargs: Any) -> None:
     """Set MindSpore context settings; those with a PyTorch meaning are applied.
 
@@ -212,27 +235,9 @@ def set_context(**kwargs: Any) -> None:
             f"set_context: {unknown[0]!r} is not a MindSpore context setting; the ones with a "
             "meaning here are mode, device_target and device_id."
         )
-    if "mode" in kwargs:
-        mode = kwargs["mode"]
-        if isinstance(mode, bool) or not isinstance(mode, int):
-            raise TypeAndValueError(
-                f"set_context: 'mode' must be context.GRAPH_MODE (0) or context.PYNATIVE_MODE "
-                f"(1), but got {mode!r} with type '{type(mode).__name__}'."
-            )
-        if mode not in (GRAPH_MODE, PYNATIVE_MODE):
-            raise ValueError(
-                "set_context: 'mode' must be context.GRAPH_MODE (0) or context.PYNATIVE_MODE "
-                f"(1), but got {mode}."
-            )
-    if "device_id" in kwargs:
-        device_id = kwargs["device_id"]
-        if isinstance(device_id, bool) or not isinstance(device_id, int):
-            raise TypeAndValueError(
-                f"set_context: 'device_id' must be an int in [0, 4095], but got {device_id!r} "
-                f"with type '{type(device_id).__name__}'."
-            )
-        if not 0 <= device_id <= 4095:
-            raise ValueError(f"set_context: 'device_id' must be in [0, 4095], but got {device_id}.")
+    modes = (GRAPH_MODE, PYNATIVE_MODE)
+    _check_int_setting(kwargs, "mode", modes, "context.GRAPH_MODE (0) or context.PYNATIVE_MODE (1)")
+    _check_int_setting(kwargs, "device_id", range(4096), "in [0, 4095]", "an int in [0, 4095]")
     target = kwargs.get("device_target")
     if "device_target" in kwargs:
         if target not in _DEVICE_TARGETS:
