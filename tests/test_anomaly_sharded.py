@@ -10,65 +10,24 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ._ranks import finish, launch
+
 pytest.importorskip("torch.distributed.fsdp")
 
 WORKER = Path(__file__).with_name("_fsdp_worker.py")
-SRC = Path(__file__).resolve().parents[1] / "src"
 DEADLINE = 240.0  # seconds for both ranks and every scenario (about 15 on an idle machine)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp")
-    port = _free_port()
-    procs: list[subprocess.Popen[str]] = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    deadline = time.monotonic() + DEADLINE
-    results = []
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            results.append((proc.returncode, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, 9)  # this rank, by its PID
-                proc.communicate()
+    procs = launch(WORKER, str(out))
+    results = [(code, err) for code, _, err in finish(procs, DEADLINE)]
     for code, err in results:
         assert code == 0, err[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,58 +21,15 @@ from stepwatch import NumpySlicesDataset, Store
 from stepwatch.distributed import all_gather_rows, broadcast_int, rank_and_world, sum_across
 
 from ._dist_worker import make_data, make_model
+from ._ranks import SRC, launch
+from ._ranks import finish as _finish
 from .conftest import wait_until
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
-SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(scenario: str, out: Path) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
-    """Wait for every rank (killing all of them at the deadline); (returncode, out, err)."""
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return results
+    return launch(WORKER, scenario, str(out))
 
 
 @pytest.fixture(scope="module")

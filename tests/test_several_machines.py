@@ -21,17 +21,12 @@ import pytest
 
 from stepwatch import Store
 
+from ._ranks import SRC, free_port
+
 JOB = Path(__file__).with_name("jobs") / "torchrun_job.py"
-SRC = Path(__file__).resolve().parents[1] / "src"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="torchrun jobs on Linux")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _job(
@@ -39,7 +34,7 @@ def _job(
 ) -> list[tuple[int | None, str, str]]:
     """Run the job with two launchers; ``(returncode, stdout, stderr)`` of each launcher
     (returncode None: it was still running at the deadline and was killed)."""
-    port = _free_port()
+    port = free_port()
     environ = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),

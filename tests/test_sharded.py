@@ -9,14 +9,10 @@ every rank is ended by its PID if it has not finished by then.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 
@@ -24,37 +20,15 @@ from stepwatch import Store, load_checkpoint
 from stepwatch.train.serialization import read_checkpoint
 
 from ._fsdp_model_worker import STOP_AT, make_mlp
-from .test_distributed import _finish, _free_port
+from ._ranks import finish as _finish
+from ._ranks import launch, torchrun
 
 WORKER = Path(__file__).with_name("_fsdp_model_worker.py")
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
 
 
 def _launch(scenario: str, out: Path) -> list[subprocess.Popen[str]]:
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+    return launch(WORKER, scenario, str(out))
 
 
 def _run(scenario: str, out: Path) -> list[dict[str, Any]]:
@@ -185,26 +159,8 @@ def test_a_tensor_parallel_layout_is_refused_naming_the_network(runs: dict[str, 
 
 
 def test_the_fsdp_example_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    example = ROOT / "examples" / "fsdp_model.py"
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(example), "out"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        out, err = launcher.communicate(timeout=120)
-    finally:
-        if launcher.poll() is None:  # past the deadline: its workers first, each by its PID
-            for worker in psutil.Process(launcher.pid).children(recursive=True):
-                os.kill(worker.pid, signal.SIGKILL)
-            launcher.kill()
-            launcher.communicate()
-    assert launcher.returncode == 0, err[-3000:]
+    code, out, err = torchrun(ROOT / "examples" / "fsdp_model.py", "out", cwd=tmp_path, timeout=120)
+    assert code == 0, err[-3000:]
     assert out.count("Eval result: epoch 3") == 1  # rank 0 prints, once
     assert out.count("Eval result: epoch 4") == 1  # the resumed run's epoch
     final = float(out.split("after epoch 4: {'mae': ")[1].split("}")[0])

@@ -16,11 +16,6 @@ deadline, and each is ended by its PID if it outlives it.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -29,56 +24,23 @@ import pytest
 from stepwatch import Store
 from stepwatch.monitor import values
 
+from ._ranks import finish, launch
+
 JOBS = Path(__file__).resolve().parent / "jobs"
 ROOT = Path(__file__).resolve().parents[1]
-SRC = ROOT / "src"
 DEADLINE = 180.0  # seconds for a whole two-process job (about 30 on a quiet 2-core machine)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _two_ranks(job: str, out: Path, *args: str) -> list[dict[str, Any]]:
     """Run ``job`` as ranks 0 and 1 of one process group; each rank's JSON result."""
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([str(SRC), str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONWARNINGS": "ignore",
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(JOBS / job), str(out), *args],
-                env=env,
-                cwd=out,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    deadline = time.monotonic() + DEADLINE
-    done = []
-    try:
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            done.append((proc.returncode, stdout, stderr))
-    finally:
-        for proc in procs:  # past the deadline: each rank ended by its own PID
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    procs = launch(
+        JOBS / job,
+        str(out),
+        *args,
+        env={"NODE_RANK": "0", "PYTHONWARNINGS": "ignore"},
+        cwd=out,
+    )
+    done = finish(procs, DEADLINE)  # past the deadline: each rank ended by its own PID
     for rank, (code, _, stderr) in enumerate(done):
         assert code == 0, f"rank {rank} of {job} failed:\n{stderr[-4000:]}"
     return [
