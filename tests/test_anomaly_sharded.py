@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from ._ranks import finish, launch
+from stepwatch import Store
+
+from ._ranks import finish, launch, torchrun
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -101,3 +103,26 @@ def test_vanishing_gradients_of_a_deep_sigmoid_net_are_found_on_both_ranks(
     runs = [seen["vanishing"] for seen in ranks]
     assert runs[0]["alerts"] == runs[1]["alerts"]
     assert "grad_vanishing" in [kind for _, kind in runs[0]["alerts"]]
+
+
+def test_the_watched_fsdp_example_rolls_back_on_every_rank_and_stores_one_run(
+    tmp_path: Path,
+) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "fsdp_watch.py"
+    code, out, err = torchrun(example, "out", cwd=tmp_path, timeout=240)
+    assert code == 0, err[-3000:]
+    # Rank 0 prints, once: the spike of rank 1's batch (a warning), the rollback, the MFU.
+    assert err.count("step 200: loss jumped to") == 1
+    assert out.count("rolled back at step 200 to the copy of step 150") == 1
+    assert out.count("Full model flops is") == 1 and out.count("Train per step time:") == 4
+    assert out.rstrip().endswith("last step 400")
+    with Store(tmp_path / "out" / "runs.db") as store:
+        [run] = store.runs()
+        assert run.status == "finished"
+        alerts = [e for e in store.events(run.id) if e["kind"] == "alert"]
+        assert [(e["step"], e["data"]["kind"]) for e in alerts] == [(200, "spike")]
+        assert alerts[0]["data"]["actions"][0].startswith("rolled back to step 150")
+        steps, losses = store.metrics(run.id, "step_loss")
+        assert steps.tolist() == list(range(1, 401)) and float(losses[-1]) < 1
+        _, mfu = store.metrics(run.id, "mfu")
+        assert len(mfu) == 4 and all(0 < m <= 1 for m in mfu)
