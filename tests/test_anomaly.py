@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from typing import Any
 
 import pytest
@@ -73,6 +74,11 @@ def test_bad_arguments_fail_at_construction(tmp_path: Any) -> None:
         AnomalyMonitor(snapshot_dir=a_file)
     with pytest.raises(ValueError, match="'snapshot_dir' must be a folder"):
         AnomalyMonitor(snapshot_dir=a_file / "below")
+    if sys.platform == "linux":  # no folder can be made in /proc, not even by root
+        with pytest.raises(ValueError, match=r"'snapshot_dir' '/proc/nope' cannot be written"):
+            AnomalyMonitor(action="snapshot", snapshot_dir="/proc/nope")
+    AnomalyMonitor(action="snapshot", snapshot_dir=tmp_path / "snaps" / "deeper")
+    assert sorted(tmp_path.iterdir()) == [a_file]  # the check leaves nothing behind
 
 
 def test_nan_stops_as_an_anomaly_names_its_step_logs_once_and_is_recorded(

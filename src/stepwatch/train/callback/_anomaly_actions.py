@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -93,11 +94,16 @@ def check_snapshot_dir(snapshot_dir: Any) -> Path | None:
             f"'snapshot_dir' must be a folder, but {str(existing)!r} is a file; pass a folder "
             "path (it is created when the first snapshot is written)."
         )
-    if not os.access(existing, os.W_OK | os.X_OK):
+    # A folder made and removed there: permission bits say yes to root where the file system
+    # says no (/proc, a read-only mount), so ask the file system itself.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".stepwatch-probe-", dir=existing))
+    except OSError as err:
         raise ValueError(
-            f"'snapshot_dir' {str(path)!r} cannot be written ({str(existing)!r} is read-only or "
-            "not yours); pass a folder where snapshots can be written."
-        )
+            f"'snapshot_dir' {str(path)!r} cannot be written (no folder can be made in "
+            f"{str(existing)!r}: {err.strerror or err}); pass a folder where snapshots can be "
+            "written."
+        ) from None
     return path
 
 
