@@ -274,6 +274,36 @@ def test_a_store_locked_when_training_starts_lets_training_go_on(
         assert store.metrics(2, "step_loss")[0].tolist() == list(range(1, 9))
 
 
+def test_a_store_locked_through_the_whole_run_says_so_in_two_lines_that_hold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import sqlite3
+
+    db = tmp_path / "runs.db"
+    _store_with_a_run(db, 10)
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # held from before the run starts until after it ends
+    try:
+        with caplog.at_level(logging.WARNING, logger="stepwatch"):
+            writer = RunWriter(db, name="never-written", flush_seconds=0.1)
+            for step in range(1, 31):
+                writer.log("loss", float(step), step)
+            writer.close(timeout=1.0)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    # What it says as the run starts, and at its end what became of it: no third line
+    # between them saying that records are being dropped while training continues.
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 2, said
+    assert "training goes on and the run is recorded once it is free" in said[0]
+    assert "stayed locked by another process; this run was not recorded" in said[1]
+    assert "(30 records dropped)" in said[1] and writer.dropped == 30
+    with Store(db) as store:
+        assert [run.name for run in store.runs()] == ["kept"]
+
+
 def test_a_store_in_folders_that_do_not_exist_is_refused_but_its_own_folder_is_made(
     tmp_path: Path,
 ) -> None:

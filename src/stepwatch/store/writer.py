@@ -374,7 +374,9 @@ class RunWriter:
             lost = sum(len(i) if isinstance(i, _Batch) else 1 for i in list(self._pending))
             self._pending.clear()
             why = "away" if self._unreachable else "locked"
-            self._report_disk_error(StoreBusy(f"still {why} after {waited:.0f} s"), lost)
+            # Counted, not said here: the run is ending, and _finish says so in one line.
+            self.dropped += lost
+            self._disk_error = self._disk_error or f"StoreBusy: still {why} after {waited:.0f} s"
         self._closed = True
         _OPEN_WRITERS.discard(self)
         try:
