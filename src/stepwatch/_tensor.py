@@ -8,7 +8,7 @@ return plain ``torch.Tensor`` objects, so it adds no cost to the arithmetic user
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -16,7 +16,7 @@ import torch
 
 from ._validation import _got
 
-__all__ = ["Tensor", "check_loss", "detached", "stack_losses"]
+__all__ = ["Tensor", "check_loss", "cpu_copy", "detached", "map_nested", "stack_losses"]
 
 
 # Tensor dtypes NumPy has no type for (shown through float32).
@@ -120,6 +120,24 @@ def detached(value: Any) -> Any:
         return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
     if isinstance(value, (tuple, list)):
         return type(value)(v.detach() if isinstance(v, torch.Tensor) else v for v in value)
+    return value
+
+
+def map_nested(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj``'s nested dicts, lists and tuples rebuilt, with ``fn`` applied to every value in
+    them that is none of the three (to ``obj`` itself when it is none of them)."""
+    if isinstance(obj, dict):
+        return {k: map_nested(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_nested(v, fn) for v in obj)
+    return fn(obj)
+
+
+def cpu_copy(value: Any) -> Any:
+    """A tensor's copy on the CPU that shares nothing with it (detached); anything else as it
+    is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
     return value
 
 

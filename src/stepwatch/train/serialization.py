@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .._tensor import cpu_copy, map_nested
 from ..distributed import rank_and_world
 from . import sharded
 
@@ -43,13 +44,7 @@ TMP_PREFIX = ".tmp-"
 
 def to_cpu(obj: Any) -> Any:
     """A copy of ``obj`` whose tensors live on the CPU and share nothing with training."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_nested(obj, cpu_copy)
 
 
 def weights_finite(module: Any) -> bool:

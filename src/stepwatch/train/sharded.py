@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .._tensor import cpu_copy, map_nested
 from ..distributed import is_distributed, sum_across
 
 __all__ = [
@@ -123,21 +124,19 @@ def stash(obj: Any) -> Any:
     """A copy of ``obj`` (nested dicts, lists, tuples) that shares nothing with training: each
     DTensor as a :class:`LocalShard` of this rank's shard, every other tensor copied to the
     CPU. No collective."""
-    if is_dtensor(obj):
+    return map_nested(obj, _stash_one)
+
+
+def _stash_one(value: Any) -> Any:
+    if is_dtensor(value):
         return LocalShard(
-            obj.to_local().detach().to("cpu", copy=True),
-            obj.device_mesh,
-            tuple(obj.placements),
-            obj.shape,
-            tuple(obj.stride()),
+            cpu_copy(value.to_local()),
+            value.device_mesh,
+            tuple(value.placements),
+            value.shape,
+            tuple(value.stride()),
         )
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: stash(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(stash(v) for v in obj)
-    return obj
+    return cpu_copy(value)
 
 
 def unstash(obj: Any) -> Any:
@@ -145,25 +144,25 @@ def unstash(obj: Any) -> Any:
     fresh copy of the shard, and every other tensor copied too (an optimizer's
     ``load_state_dict`` keeps the tensors it is given, and updates them in place): the copy
     can be restored more than once. No collective."""
-    if isinstance(obj, LocalShard):
+    return map_nested(obj, _unstash_one)
+
+
+def _unstash_one(value: Any) -> Any:
+    if isinstance(value, LocalShard):
         from torch.distributed.tensor import DTensor
 
-        device = obj.mesh.device_type
+        device = value.mesh.device_type
         return DTensor.from_local(
-            obj.local.to(device, copy=True),
-            obj.mesh,
-            obj.placements,
+            value.local.to(device, copy=True),
+            value.mesh,
+            value.placements,
             run_check=False,
-            shape=obj.shape,
-            stride=obj.stride,
+            shape=value.shape,
+            stride=value.stride,
         )
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return {k: unstash(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(unstash(v) for v in obj)
-    return obj
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    return value
 
 
 def has_local_shards(obj: Any) -> bool:
