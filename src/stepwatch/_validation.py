@@ -6,8 +6,9 @@ names the argument, what it got and what to pass instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 __all__: list[str] = []
 
@@ -47,69 +48,64 @@ def _got(value: Any) -> str:
     return f"{shown} with type '{type(value).__name__}'"
 
 
-@overload
-def check_int(
-    name: str, value: Any, *, minimum: int | None = None, allow_none: Literal[False] = False
-) -> int: ...
+_N = TypeVar("_N", int, float)
 
 
-@overload
-def check_int(
-    name: str, value: Any, *, minimum: int | None = None, allow_none: bool
-) -> int | None: ...
+class _NumberCheck(Generic[_N]):
+    """A check of a number argument (``check_int``, ``check_number``): ``value`` if it is one
+    of ``types`` (never a bool) and at least ``minimum``, as ``convert`` returns it; None for
+    None when ``allow_none``. ``kind`` names the type in the TypeError (``'an int'``),
+    ``at_least`` the bound in the ValueError (``'an int >= '``)."""
+
+    def __init__(
+        self, types: tuple[type[float], ...], convert: Callable[[Any], _N], kind: str, at_least: str
+    ) -> None:
+        self._types = types
+        self._convert: Callable[[Any], _N] = convert
+        self._kind = kind
+        self._at_least = at_least
+
+    @overload
+    def __call__(
+        self,
+        name: str,
+        value: Any,
+        *,
+        minimum: _N | None = None,
+        allow_none: Literal[False] = False,
+    ) -> _N: ...
+
+    @overload
+    def __call__(
+        self, name: str, value: Any, *, minimum: _N | None = None, allow_none: bool
+    ) -> _N | None: ...
+
+    def __call__(
+        self, name: str, value: Any, *, minimum: _N | None = None, allow_none: bool = False
+    ) -> _N | None:
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, self._types):
+            expected = self._kind + (" or None" if allow_none else "")
+            raise TypeError(f"'{name}' must be {expected}, but got {_got(value)}.")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"'{name}' must be {self._at_least}{minimum}, but got {_got(value)}.")
+        return self._convert(value)
 
 
-def check_int(
-    name: str,
-    value: Any,
-    *,
-    minimum: int | None = None,
-    allow_none: bool = False,
-) -> int | None:
-    """Return ``value`` if it is an int (not a bool) and at least ``minimum``."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        expected = "an int" + (" or None" if allow_none else "")
-        raise TypeError(f"'{name}' must be {expected}, but got {_got(value)}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"'{name}' must be an int >= {minimum}, but got {_got(value)}.")
+def _same(value: Any) -> Any:
     return value
+
+
+# check_int returns the int it was given; check_number returns a float.
+check_int = _NumberCheck[int]((int,), _same, "an int", "an int >= ")
+check_number = _NumberCheck[float]((int, float), float, "a number", ">= ")
 
 
 def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"'{name}' must be a bool (True or False), but got {_got(value)}.")
     return value
-
-
-@overload
-def check_number(
-    name: str, value: Any, *, minimum: float | None = None, allow_none: Literal[False] = False
-) -> float: ...
-
-
-@overload
-def check_number(
-    name: str, value: Any, *, minimum: float | None = None, allow_none: bool
-) -> float | None: ...
-
-
-def check_number(
-    name: str,
-    value: Any,
-    *,
-    minimum: float | None = None,
-    allow_none: bool = False,
-) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        expected = "a number" + (" or None" if allow_none else "")
-        raise TypeError(f"'{name}' must be {expected}, but got {_got(value)}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"'{name}' must be >= {minimum}, but got {_got(value)}.")
-    return float(value)
 
 
 def check_callable(name: str, value: Any, *, allow_none: bool = True) -> Any:
