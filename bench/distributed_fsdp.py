@@ -25,7 +25,9 @@ even rounds, second in odd ones); the round's score is ``(its steps/s) / (the pa
 steps/s)``. Round 0 is a warm-up. In the last round, rank 0 counts the collectives each
 configuration issues through ``torch.distributed`` (all_reduce, all_gather, broadcast) over its
 timed steps (FSDP2's own all-gathers and reduce-scatters go through other calls and are not
-counted), and the elements they carry. Rank 0 prints medians over the rounds (min..max too).
+counted), the elements they carry and the wall time spent in them, and the training thread's
+CPU time inside ``watched.step``: the in-process accounting of what stepwatch costs a step, which
+a loaded machine hardly moves. Rank 0 prints medians over the rounds (min..max too).
 
 Usage::
 
@@ -98,17 +100,23 @@ class Counter:
         self.on = False
         self.calls: dict[str, int] = dict.fromkeys(COUNTED, 0)
         self.elements = 0
+        self.seconds = 0.0  # wall time inside the counted collectives
         for name in COUNTED:
             original = getattr(dist, name)
             setattr(dist, name, self._wrap(name, original))
 
     def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.on:
-                self.calls[name] += 1
-                tensor = args[1] if name == "all_gather" else args[0]
-                self.elements += tensor.numel() if isinstance(tensor, torch.Tensor) else 0
-            return original(*args, **kwargs)
+            if not self.on:
+                return original(*args, **kwargs)
+            self.calls[name] += 1
+            tensor = args[1] if name == "all_gather" else args[0]
+            self.elements += tensor.numel() if isinstance(tensor, torch.Tensor) else 0
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
 
         return counted
 
@@ -116,6 +124,7 @@ class Counter:
     def counting(self) -> Iterator[None]:
         self.calls = dict.fromkeys(COUNTED, 0)
         self.elements = 0
+        self.seconds = 0.0
         self.on = True
         try:
             yield
@@ -140,7 +149,19 @@ def raw_runner(batches: list[Batch], seed: int) -> Callable[[], float]:
     return run
 
 
-def watched_runner(batches: list[Batch], db: Path, seed: int, grads: bool) -> Callable[[], float]:
+class Watched:
+    """A watched epoch (callable: its wall seconds), with the training thread's CPU time spent
+    inside ``watched.step`` and in the whole loop, of its last epoch."""
+
+    def __init__(self, run: Callable[[], float]) -> None:
+        self.run = run
+        self.hook_cpu = self.loop_cpu = 0.0
+
+    def __call__(self) -> float:
+        return self.run()
+
+
+def watched_runner(batches: list[Batch], db: Path, seed: int, grads: bool) -> Watched:
     net = make_sharded(seed)
     loss_fn = nn.CrossEntropyLoss()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
@@ -153,18 +174,23 @@ def watched_runner(batches: list[Batch], db: Path, seed: int, grads: bool) -> Ca
             else stepwatch.AnomalyMonitor(detectors=detectors)
         )
         callbacks = [monitor, stepwatch.RunRecorder(db=db, system_every=None)]
+        hook = 0.0
         with stepwatch.watch(net, opt, callbacks, steps_per_epoch=len(batches)) as watched:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for x, y in batches:
                 opt.zero_grad()
                 loss = loss_fn(net(x), y)
                 loss.backward()
                 opt.step()
+                before = time.thread_time()
                 watched.step(loss)
+                hook += time.thread_time() - before
             seconds = time.perf_counter() - start
+            measured.hook_cpu, measured.loop_cpu = hook, time.thread_time() - cpu
         return seconds
 
-    return run
+    measured = Watched(run)
+    return measured
 
 
 def quiet(run: Callable[[], float]) -> float:
@@ -181,14 +207,14 @@ def worker(rounds: int, steps: int, db: Path) -> None:
     try:
         batches = make_batches(steps, rank)
         raw = raw_runner(batches, 0)
-        configs = {
+        configs: dict[str, Callable[[], float]] = {
             "a raw FSDP2": raw_runner(batches, 2),
             "b watched": watched_runner(batches, db, 3, grads=True),
             "c no grad det.": watched_runner(batches, db, 4, grads=False),
         }
         ratios: dict[str, list[float]] = {name: [] for name in configs}
         rates: dict[str, list[float]] = {name: [] for name in configs}
-        counts: dict[str, tuple[dict[str, int], int]] = {}
+        counts: dict[str, tuple[dict[str, int], int, float]] = {}
         for round_index in range(rounds + 1):
             last = round_index == rounds
             for name, run in configs.items():
@@ -202,7 +228,7 @@ def worker(rounds: int, steps: int, db: Path) -> None:
                     with counter.counting():
                         t_config = quiet(run)
                 if last:
-                    counts[name] = (dict(counter.calls), counter.elements)
+                    counts[name] = (dict(counter.calls), counter.elements, counter.seconds)
                 if round_index:
                     ratios[name].append(t_raw / t_config)
                     rates[name].append(steps / t_config)
@@ -211,6 +237,7 @@ def worker(rounds: int, steps: int, db: Path) -> None:
                 print(f"  {label} done", file=sys.stderr, flush=True)
         if rank == 0:
             report(ratios, rates, counts, steps)
+            accounting(configs, counts, steps, statistics.median(rates["a raw FSDP2"]))
     except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -221,7 +248,7 @@ def worker(rounds: int, steps: int, db: Path) -> None:
 def report(
     ratios: dict[str, list[float]],
     rates: dict[str, list[float]],
-    counts: dict[str, tuple[dict[str, int], int]],
+    counts: dict[str, tuple[dict[str, int], int, float]],
     steps: int,
 ) -> None:
     header = (
@@ -233,7 +260,7 @@ def report(
     for name, values in ratios.items():
         ratio = statistics.median(values)
         spread = f"{ratio:.3f} ({min(values):.3f}..{max(values):.3f})"
-        calls, elements = counts[name]
+        calls, elements, _ = counts[name]
         print(
             f"{name:<16} {statistics.median(rates[name]):>8.0f} {spread:>26} "
             f"{sum(calls.values()):>12} {elements:>9}"
@@ -243,14 +270,38 @@ def report(
     ratio = statistics.median(ratios["b watched"])
     verdict = "met" if ratio >= GOAL else "NOT met"
     print(f"goal b/a >= {GOAL:.2f}: median {ratio:.3f} (noise floor a/a {floor:.3f}) -> {verdict}")
-    b_calls, b_elements = counts["b watched"]
-    c_calls, c_elements = counts["c no grad det."]
+    b_calls, b_elements, _ = counts["b watched"]
+    c_calls, c_elements, _ = counts["c no grad det."]
     extra = sum(b_calls.values()) - sum(c_calls.values())
     print(
         f"collectives over {steps} steps (last round, rank 0): watched {sum(b_calls.values())} "
         f"({b_calls}), without the gradient detectors {sum(c_calls.values())}; the gradient "
         f"statistics add {extra} collectives and {b_elements - c_elements} elements"
     )
+
+
+def accounting(
+    configs: dict[str, Callable[[], float]],
+    counts: dict[str, tuple[dict[str, int], int, float]],
+    steps: int,
+    raw_rate: float,
+) -> None:
+    """What stepwatch costs a step by in-process accounting (last round, rank 0), which a loaded
+    machine hardly moves: the training thread's CPU time inside ``watched.step`` and the wall
+    time inside the collectives stepwatch issues, against the raw step's wall time."""
+    print("in-process accounting (last round, rank 0):")
+    raw_step = 1e6 / raw_rate
+    for name, run in configs.items():
+        if not isinstance(run, Watched):
+            continue
+        hook = run.hook_cpu / steps * 1e6
+        waits = counts[name][2] / steps * 1e6
+        share = (hook + waits) / raw_step
+        print(
+            f"  {name}: {hook:.1f} us CPU a step in watched.step ({run.hook_cpu / run.loop_cpu:.2%}"
+            f" of the loop's CPU) + {waits:.1f} us a step in its collectives = {share:.2%} of a "
+            f"raw step ({raw_step:.0f} us): ratio {1 / (1 + share):.3f} by accounting"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
