@@ -239,15 +239,19 @@ def make_sharded(mesh: Any = None, seed: int = 0) -> nn.Module:
     return net
 
 
-def _sharded_loop(net: nn.Module, rank: int, callbacks: list[Any], steps: int, hook: Any) -> None:
+def _sharded_loop(
+    net: nn.Module, rank: int, callbacks: list[Any], steps: int, hook: Any, fetch: Any = None
+) -> None:
     """``steps`` SGD steps of ``net`` on this rank's batches, watched by ``callbacks``;
-    ``hook(step)`` runs after each optimizer step."""
+    ``fetch(step)`` runs as each batch is made, ``hook(step)`` after each optimizer step."""
     import stepwatch
 
     gen = torch.Generator().manual_seed(100 + rank)
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     with stepwatch.watch(net, opt, callbacks, steps_per_epoch=steps) as run:
         for step in range(1, steps + 1):
+            if fetch is not None:
+                fetch(step)
             x = torch.randn(8, 16, generator=gen)
             y = x[:, :1] * 0.5
             opt.zero_grad(set_to_none=True)
@@ -299,6 +303,17 @@ def scenario_sharded(out: Path, rank: int) -> dict[str, Any]:
     knocked = DistributedMonitor(every_n_steps=4, straggler_seconds=60, frozen_seconds=None)
     _sharded_loop(net, rank, [knocked], 8, knock)
     result["hsdp"] = {"healthy": _alerts(healthy), "knocked": _alerts(knocked)}
+
+    # A hand loop whose rank 1 waits 40 ms for each batch: its data wait is told from its
+    # step's, and it is the straggler, although the collectives make every rank's step as long
+    # (rank 0 waits for it in its forward's all-gather: not work of its own).
+    def slow_data(step: int) -> None:
+        if rank == 1:
+            time.sleep(0.04)
+
+    slow = DistributedMonitor(every_n_steps=4, frozen_seconds=None)
+    _sharded_loop(make_sharded(), rank, [slow], 8, lambda step: None, fetch=slow_data)
+    result["slow_data"] = {"alerts": _alerts(slow), "last": slow.last}
     return result
 
 

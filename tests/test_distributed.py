@@ -363,6 +363,11 @@ def test_distributed_monitor_under_fsdp2_compares_only_what_is_meant_to_be_equal
         [(step, kind, message)] = result["hsdp"]["knocked"]
         assert (step, kind) == (4, "desync")
         assert message.startswith("step 4: rank 1's shards are out of step with rank 0's")
+        # A hand loop's slow data on rank 1: a straggler, its wait counted as data wait.
+        [(step, kind, message)] = result["slow_data"]["alerts"]
+        assert (step, kind) == (4, "straggler") and message.startswith("step 4: rank 1 is a")
+        last = result["slow_data"]["last"]
+        assert last["data_time_max"] >= 0.04 > last["data_time_min"]
     with Store(tmp_path / "sharded.db") as store:
         [run] = store.runs()
         assert {"dist/loss_mean", "dist/step_time_max", "mfu", "flops_per_step"} <= set(

@@ -50,9 +50,11 @@ class DistributedMonitor(Callback):
       ``dist/data_time_*``; ``last`` holds the latest summary on every rank;
     * raise a ``straggler`` alert when a rank's busy time (data wait, step-begin hooks and
       forward: what a rank does before it waits for the others in the gradient all-reduce,
-      where synchronous training evens out the step times) exceeds the median of the other
-      ranks' by ``straggler_factor`` and by at least ``straggler_seconds`` (so that the
-      scheduling noise of sub-millisecond steps is not a straggler);
+      where synchronous training evens out the step times; under FSDP2, whose forward waits
+      for every rank as it gathers the parameters, the data wait and hooks) exceeds the
+      median of the other ranks' by ``straggler_factor`` and by at least
+      ``straggler_seconds`` (so that the scheduling noise of sub-millisecond steps is not a
+      straggler);
     * raise a ``desync`` alert when copies of what is meant to be equal differ by more than
       ``desync_tolerance`` (relative): the replicated parameters (all of them under
       DistributedDataParallel; those not sharded in a ``fully_shard``-ed network), and the
@@ -141,11 +143,15 @@ class DistributedMonitor(Callback):
         self._replicated: list[torch.Tensor] = []
         self._sharded: list[torch.Tensor] = []
         self._shards = 0.0  # which shards this rank holds (see _split_parameters)
-        self._hook: Any = None
+        self._hooks: list[Any] = []
         self._sums = [0.0, 0.0, 0.0]  # step time, data wait, busy time over the interval
         self._steps = 0
         self._prev_end = 0.0
-        self._forward_end = 0.0
+        # This step's first forward start and last forward end (None: no forward yet); a hand
+        # loop calls the step hooks after its forward and backward, a trainer before them.
+        self._forward_start: float | None = None
+        self._forward_end: float | None = None
+        self._step_begin = 0.0
         self._ending = threading.Lock()  # one ending of the job, whichever peer froze
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -170,25 +176,43 @@ class DistributedMonitor(Callback):
             ).start()
         self._replicated, self._sharded, self._shards = _split_parameters(p.network)
         self._remove_hook()
-        self._hook = p.network.register_forward_hook(self._forward_done)
+        self._hooks = [
+            p.network.register_forward_pre_hook(self._forward_begins),
+            p.network.register_forward_hook(self._forward_done),
+        ]
         self._reset_interval()
 
     def on_train_epoch_begin(self, run_context: RunContext) -> None:
         self._prev_end = time.perf_counter()
+        self._forward_start = self._forward_end = None  # a validation pass's forwards
+
+    def _forward_begins(self, *args: Any) -> None:
+        if self._forward_start is None:
+            self._forward_start = time.perf_counter()
 
     def _forward_done(self, *args: Any) -> None:
         self._forward_end = time.perf_counter()
 
     def on_train_step_begin(self, run_context: RunContext) -> None:
-        now = time.perf_counter()
-        self._sums[1] += now - self._prev_end
-        self._forward_end = now
+        self._step_begin = time.perf_counter()
 
     def on_train_step_end(self, run_context: RunContext) -> None:
         p = run_context.cb_params
+        # The step's work begins at its step hook or its first forward, whichever came first
+        # (a trainer's hook comes before the batch is moved; a hand loop's after backward);
+        # before it the rank waited for data. It is busy until its forward ends (then it
+        # waits for the others in the gradient reduction); without a forward seen, until then.
+        # A sharded network's forward gathers the parameters from every rank, waiting for
+        # the slowest: there the rank is busy until its forward begins.
+        begun, start, end = self._step_begin, self._forward_start, self._forward_end
+        if start is not None and self._prev_end <= start < begun:
+            begun = start
+        busy_until = end if end is not None and end >= begun and not self._sharded else begun
+        self._forward_start = self._forward_end = None
         sums = self._sums
         sums[0] += p.step_time
-        sums[2] += self._forward_end - self._prev_end
+        sums[1] += begun - self._prev_end
+        sums[2] += busy_until - self._prev_end
         self._steps += 1
         if self._watch is not None:
             self._watch.step = p.cur_step_num
@@ -377,8 +401,8 @@ class DistributedMonitor(Callback):
         return alerts
 
     def _remove_hook(self) -> None:
-        hook, self._hook = self._hook, None
-        if hook is not None:
+        hooks, self._hooks = self._hooks, []
+        for hook in hooks:
             hook.remove()
 
 
