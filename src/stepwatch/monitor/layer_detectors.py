@@ -93,7 +93,24 @@ class GradVanishing(_PerLayer):
         return self._alert(self._first, epoch, seen, float(arr[first] / top))
 
 
-class DyingReLU(_PerLayer):
+class _LayerFraction(_PerLayer):
+    """A detector of a fraction per layer (of units dead, of outputs at the rails) that a
+    layer at or over ``threshold`` reaches."""
+
+    def __init__(self, threshold: float, patience: int) -> None:
+        super().__init__(patience)
+        self.threshold = _check_fraction("threshold", threshold, one=True)
+
+    def _layers_over(self, what: str, frac: list[float], step: int) -> list[int]:
+        """The layers whose ``what`` fraction is at or over ``threshold``, on the sample that
+        makes ``patience`` samples in a row with such a layer (the alert's turn); else []."""
+        if frac and not (min(frac) >= 0.0 and max(frac) <= 1.0):
+            raise ValueError(f"{what} fractions must be within [0, 1], but got {frac}.")
+        layers = [i for i, v in enumerate(frac) if v >= self.threshold]
+        return layers if self._count(bool(layers), step) else []
+
+
+class DyingReLU(_LayerFraction):
     """Fires when some layer has (nearly) all of its units dead, i.e. their gradient is exactly
     zero, for ``patience`` consecutive samples. Clears on a sample where no layer is that dead.
 
@@ -106,8 +123,7 @@ class DyingReLU(_PerLayer):
     _advice = "lower the learning rate, use LeakyReLU/GELU, or check initialisation and input scale"
 
     def __init__(self, threshold: float = 0.99, patience: int = 3) -> None:
-        super().__init__(patience)
-        self.threshold = _check_fraction("threshold", threshold, one=True)
+        super().__init__(threshold, patience)
 
     def update(
         self, step: int, dead: Sequence[float], total: Sequence[float] | None = None,
@@ -117,10 +133,8 @@ class DyingReLU(_PerLayer):
         frac = _per_layer("dead", dead)
         if total is not None:
             frac = [d / max(t, 1.0) for d, t in zip(frac, _per_layer("total", total))]
-        if frac and not (min(frac) >= 0.0 and max(frac) <= 1.0):
-            raise ValueError(f"dead fractions must be within [0, 1], but got {frac}.")
-        layers = [i for i, v in enumerate(frac) if v >= self.threshold]
-        if not self._count(bool(layers), step):
+        layers = self._layers_over("dead", frac, step)
+        if not layers:
             return None
         first = layers[0]
         at = self._layer(first)
@@ -128,7 +142,7 @@ class DyingReLU(_PerLayer):
         return self._alert(self._first, epoch, seen, float(frac[first]))
 
 
-class Saturation(_PerLayer):
+class Saturation(_LayerFraction):
     """Fires when some tanh or sigmoid layer has at least ``threshold`` of its outputs at the
     rails (|tanh| > 0.99; a sigmoid under 0.005 or over 0.995), where their gradient is all
     but 0, for ``patience`` consecutive samples: the tanh/sigmoid counterpart of a dying ReLU,
@@ -147,18 +161,15 @@ class Saturation(_PerLayer):
     )
 
     def __init__(self, threshold: float = 0.9, patience: int = 3) -> None:
-        super().__init__(patience)
-        self.threshold = _check_fraction("threshold", threshold, one=True)
+        super().__init__(threshold, patience)
 
     def update(
         self, step: int, saturated: Sequence[float], epoch: int | None = None
     ) -> Alert | None:
         """``saturated``: the fraction of each tanh/sigmoid layer's outputs at the rails."""
         frac = _per_layer("saturated", saturated)
-        if frac and not (min(frac) >= 0.0 and max(frac) <= 1.0):
-            raise ValueError(f"saturated fractions must be within [0, 1], but got {frac}.")
-        layers = [i for i, v in enumerate(frac) if v >= self.threshold]
-        if not self._count(bool(layers), step):
+        layers = self._layers_over("saturated", frac, step)
+        if not layers:
             return None
         first = layers[0]
         seen = (
