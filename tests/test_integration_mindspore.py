@@ -243,3 +243,22 @@ def test_sink_mode_on_the_cpu_numbers_steps_as_the_hooks_come(
     with Store(db) as store:
         steps, _ = store.metrics(recorder.run_id, values.STEP_LOSS)
     assert steps.tolist() == list(range(1, 2 * STEPS + 1)) == list(range(1, len(host.losses) + 1))
+
+
+def test_stepwatch_callbacks_handed_straight_to_mindspore_get_its_error_as_documented(
+    tmp_path: Path,
+) -> None:
+    """MindSpore checks each callback's class before it calls any hook, so its own TypeError
+    is what a user sees (docs/training/mindspore.md says what it means); in the bridge the
+    same callbacks run."""
+    docs = Path(__file__).resolve().parents[1] / "docs" / "training" / "mindspore.md"
+    text = " ".join(docs.read_text().split())
+    model, _ = _model()
+    said = "When the 'callbacks' is a list, the elements in 'callbacks' must be Callback functions."
+    for handed in ([LossMonitor(1)], LossMonitor(1)):
+        with pytest.raises(TypeError) as refused:
+            model.train(1, _data(), callbacks=handed)
+        assert str(refused.value) == said and f"`TypeError: {said}`" in text
+    recorder = RunRecorder(db=tmp_path / "runs.db")
+    model.train(1, _data(), callbacks=[StepwatchCallback([recorder, LossMonitor(1)])])
+    assert recorder.run_id == 1 and recorder.dropped == 0
