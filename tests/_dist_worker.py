@@ -314,6 +314,26 @@ def scenario_sharded(out: Path, rank: int) -> dict[str, Any]:
     slow = DistributedMonitor(every_n_steps=4, frozen_seconds=None)
     _sharded_loop(make_sharded(), rank, [slow], 8, lambda step: None, fetch=slow_data)
     result["slow_data"] = {"alerts": _alerts(slow), "last": slow.last}
+
+    # Model on a network sharded as one unit over an HSDP mesh that shards (1 x 2): Model's
+    # first-batch check runs a forward, after which FSDP2 leaves the root's parameters gathered
+    # (and frees them at the next forward): the callbacks must see the sharded ones.
+    from torch.distributed.fsdp import fully_shard
+
+    from stepwatch import Callback, Model, NumpySlicesDataset
+
+    class Kinds(Callback):
+        def on_train_begin(self, run_context: Any) -> None:
+            params = run_context.cb_params.network.parameters()
+            self.kinds = sorted({type(p).__name__ for p in params})
+
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 3))
+    fully_shard(whole, mesh=init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard")))
+    model = Model(whole, nn.CrossEntropyLoss(), torch.optim.SGD(whole.parameters(), lr=0.1))
+    kinds, unit = Kinds(), DistributedMonitor(every_n_steps=2, frozen_seconds=None)
+    model.train(1, NumpySlicesDataset(make_data(), shuffle=False).batch(8), callbacks=[kinds, unit])
+    result["one_unit"] = {"kinds": kinds.kinds, "alerts": _alerts(unit), "last": unit.last}
     return result
 
 

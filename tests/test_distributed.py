@@ -7,6 +7,7 @@ the process group is torn down by every rank, and no process outlives its test.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -368,6 +369,11 @@ def test_distributed_monitor_under_fsdp2_compares_only_what_is_meant_to_be_equal
         assert (step, kind) == (4, "straggler") and message.startswith("step 4: rank 1 is a")
         last = result["slow_data"]["last"]
         assert last["data_time_max"] >= 0.04 > last["data_time_min"]
+        # Model on a network sharded as one unit: the callbacks see its shards (DTensors),
+        # and DistributedMonitor reads them safely at every look.
+        one_unit = result["one_unit"]
+        assert one_unit["kinds"] == ["DTensor"] and one_unit["alerts"] == []
+        assert math.isfinite(one_unit["last"]["loss_mean"])
     with Store(tmp_path / "sharded.db") as store:
         [run] = store.runs()
         assert {"dist/loss_mean", "dist/step_time_max", "mfu", "flops_per_step"} <= set(

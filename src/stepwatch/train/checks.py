@@ -22,6 +22,7 @@ from torch import nn
 from ..context import default_device as context_device
 from ..dataset import NumpySlicesDataset, check_batch, feed, move
 from ..distributed import is_distributed, local_rank
+from .sharded import reshard
 from .state import rng_state, set_rng_state
 from .step import StepOptions, cast_floats
 
@@ -219,6 +220,7 @@ def check_first_forward(
                 _check_metrics(outputs, label, loss, metrics)
         finally:
             network.train(was_training)
+            reshard(network)  # FSDP2 leaves a root module's parameters gathered after it
     finally:
         set_rng_state(state)
 

@@ -28,7 +28,7 @@ import torch
 from ..dataset import NumpySlicesDataset
 from ..distributed import all_gather_rows, broadcast_int, rank_and_world, sum_across, wrap
 from .parts import Parts, evaluate_metric
-from .sharded import is_sharded
+from .sharded import is_sharded, reshard
 
 __all__ = ["check_sharding", "epoch_results", "extra_forwards", "prepare", "reduce_epoch", "shard"]
 
@@ -67,9 +67,8 @@ def check_sharding(network: Any, world: int) -> bool:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    reshard(network)  # the sharded parameters registered (not gathered ones)
     fsdp = [m for m in network.modules() if isinstance(m, FSDPModule)]
-    for module in fsdp:
-        module.reshard()  # its sharded parameters registered (not gathered ones)
     managed = {id(p) for m in fsdp if isinstance(m, torch.nn.Module) for p in m.parameters()}
     plain = []
     for name, param in network.named_parameters():

@@ -88,6 +88,21 @@ def is_sharded(module: Any) -> bool:
     )
 
 
+def reshard(module: Any) -> None:
+    """Register the sharded parameters of every ``fully_shard``-ed module in ``module`` again
+    (nothing for a network that shards nothing). FSDP2 leaves the root module's parameters
+    gathered after a forward with no backward after it (a check, an evaluation), and frees them
+    at the next forward: whoever read the network's parameters in between would hold tensors
+    about to be freed."""
+    if _dtensor_type() is None or not isinstance(module, torch.nn.Module):
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
+
+
 def full_value(value: Any) -> Any:
     """A DTensor that every rank holds whole (a reduced norm) as a plain tensor; anything else
     as it is."""

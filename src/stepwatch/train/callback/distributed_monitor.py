@@ -304,7 +304,11 @@ class DistributedMonitor(Callback):
         loss = p.loss_tensor if p.loss_tensor is not None else math.nan
         sums = self._sums
         row = [loss, sums[0] / n, sums[1] / n, sums[2] / n]
-        row += [_checksum(self._replicated), _checksum(self._sharded), self._shards]
+        # The network's parameters as they are now: FSDP2 swaps the module's parameters
+        # between their sharded and unsharded forms, and frees the unsharded ones' storage, so
+        # tensors held from an earlier step may be gone.
+        replicated, sharded, shards = _split_parameters(p.network)
+        row += [_checksum(replicated), _checksum(sharded), shards]
         table = all_gather_rows(row).tolist()  # one collective; one host read
         self._reset_interval()
         step, epoch = p.cur_step_num, p.cur_epoch_num
