@@ -60,12 +60,16 @@ def main(folder: Path) -> None:
 
     model = sharded_model(device)
     recorder = sw.RunRecorder(db=folder / "runs.db", run_name="fsdp")
-    model.fit(3, train, valid, callbacks=[*callbacks(), recorder])
+    first = callbacks()
+    model.fit(3, train, valid, callbacks=[*first, recorder])
+    # Its newest checkpoint (run again, the example writes beside the earlier run's files,
+    # as MindSpore does: under the prefix fsdp_1, fsdp_2, ...).
+    latest = first[1].latest_ckpt_file_name
 
     # A restarted job: a new sharded Model continues from the newest checkpoint, every rank
     # reading back its own shards (and the callbacks their state).
     resumed = sharded_model(device)
-    resumed.fit(4, train, valid, callbacks=callbacks(), resume_from=folder / "fsdp-last.pt")
+    resumed.fit(4, train, valid, callbacks=callbacks(), resume_from=latest)
     metrics = resumed.eval(valid)  # on every rank: FSDP2 gathers the weights in each forward
     if dist.get_rank() == 0:
         print(f"resumed after epoch 3; after epoch 4: {metrics}")

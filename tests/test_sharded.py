@@ -172,3 +172,13 @@ def test_the_fsdp_example_trains_and_resumes_under_torchrun(tmp_path: Path) -> N
     assert pairs == ["fsdp-4_14.pt", "fsdp-4_28.pt"]  # the series went on, two kept
     assert len(list(folder.glob("fsdp-*.pt.shards-*"))) == 2  # one shards folder each
     assert [r.status for r in Store(folder / "runs.db").runs()] == ["finished"]
+    # Run again in the same folder: rank 0 names the new series fsdp_1 (as MindSpore does),
+    # every rank writes and resumes under that name, and the run ends as the first did.
+    again, out_again, err = torchrun(
+        ROOT / "examples" / "fsdp_model.py", "out", cwd=tmp_path, timeout=120
+    )
+    assert again == 0, err[-3000:]
+    assert out_again.split("after epoch 4: ")[1] == out.split("after epoch 4: ")[1]
+    pairs = sorted(p.name for p in folder.glob("fsdp_1-*.pt") if p.name != "fsdp_1-last.pt")
+    assert pairs == ["fsdp_1-4_14.pt", "fsdp_1-4_28.pt"]
+    assert [r.status for r in Store(folder / "runs.db").runs()] == ["finished", "finished"]

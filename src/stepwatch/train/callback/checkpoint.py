@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..._validation import TypeAndValueError, nearest_existing
+from ...distributed import broadcast_int
 from ...monitor.schedule import Every
 from ...view.run import view_of
 from ..resume import build_checkpoint
@@ -191,8 +192,12 @@ class ModelCheckpoint(MonitorCallback):
         if cb_params.rank_id == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.directory, self._prefix_requested)
-            if self._prefix_fn is None:  # a function names each file itself (MindSpore)
-                self.prefix = self._free_prefix()
+        if self._prefix_fn is None:  # a function names each file itself (MindSpore)
+            taken = self._prefixes_taken() if cb_params.rank_id == 0 else 0
+            if self._sharded:  # every rank writes, and names the files: rank 0's choice
+                taken = broadcast_int(taken)
+            if cb_params.rank_id == 0 or self._sharded:
+                self.prefix = self._prefix_requested + (f"_{taken}" if taken else "")
         self._saved = []
         self._reset_monitor(cb_params)
         # A trainer's run counts from its first step (a resumed run continues its grid); a
@@ -296,12 +301,14 @@ class ModelCheckpoint(MonitorCallback):
                 self.directory = directory
 
     # -- saving -------------------------------------------------------------------------------
-    def _free_prefix(self) -> str:
+    def _prefixes_taken(self) -> int:
+        """How many of ``prefix``, ``prefix_1``, ... name files in the directory already (the
+        next free one is ``prefix_<n>``, as MindSpore names it)."""
         prefix, n = self._prefix_requested, 0
         while any(self.directory.glob(f"{prefix}-*.pt")):
             n += 1
             prefix = f"{self._prefix_requested}_{n}"
-        return prefix
+        return n
 
     def _append_info(self, cb_params: CallbackParams) -> dict[str, Any]:
         info: dict[str, Any] = {}
