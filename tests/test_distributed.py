@@ -381,3 +381,22 @@ def test_distributed_monitor_under_fsdp2_compares_only_what_is_meant_to_be_equal
         )
         _, means = store.metrics(run.id, "dist/loss_mean")
         assert len(means) == 4  # steps 4, 8, 12, 16
+
+
+def test_a_process_launched_as_one_of_several_without_a_process_group_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # torchrun sets WORLD_SIZE; a script that forgets init_process_group trains alone.
+    from torch import nn
+
+    import stepwatch
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    net = nn.Linear(4, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    told = pytest.warns(UserWarning, match=r"one of WORLD_SIZE=2 .*init_process_group")
+    with told, stepwatch.watch(net, opt, [], steps_per_epoch=1) as run:
+        run.step(nn.functional.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 1)))
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to say
+    with stepwatch.watch(net, opt, [], steps_per_epoch=1) as run:
+        run.step(nn.functional.mse_loss(net(torch.ones(2, 4)), torch.zeros(2, 1)))

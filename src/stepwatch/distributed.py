@@ -32,6 +32,7 @@ __all__ = [
     "abort",
     "all_gather_rows",
     "broadcast_int",
+    "check_launched_together",
     "collective_device",
     "is_distributed",
     "local_rank",
@@ -51,6 +52,26 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def check_launched_together() -> None:
+    """Warn when a launcher started this process as one of several (``WORLD_SIZE`` > 1, as
+    torchrun sets it) but no process group is initialized: each process would train alone on
+    all the data, print, and record a run of its own."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    dist = torch.distributed
+    if not world.isdigit() or int(world) < 2 or (dist.is_available() and dist.is_initialized()):
+        return
+    import warnings
+
+    warnings.warn(
+        f"this process was started as one of WORLD_SIZE={world} (by torchrun or another "
+        "launcher), but torch.distributed is not initialized: it trains alone, on all the "
+        "data, and records a run of its own. Call torch.distributed.init_process_group("
+        "'nccl' if torch.cuda.is_available() else 'gloo') before the run starts.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def is_distributed() -> bool:

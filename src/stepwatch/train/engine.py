@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .._tensor import detached
-from ..distributed import rank_and_world
+from ..distributed import check_launched_together, rank_and_world
 from ..monitor import values as names
 from ..view.host import HostControls, OptimizerRates, TorchState
 from ..view.run import RunView
@@ -238,6 +238,7 @@ class RunEngine:
         """
         if self.state != "new":
             raise RuntimeError("this run was already opened; make a new one")
+        check_launched_together()
         self._stack.enter_context(self.callbacks.entered())
         self.state = "running"
         try:

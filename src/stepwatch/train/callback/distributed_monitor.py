@@ -161,7 +161,7 @@ class DistributedMonitor(Callback):
             warnings.warn(
                 "DistributedMonitor is in a run of one process: it summarises that process "
                 "only and can raise no straggler or desync alert. Launch with torchrun "
-                "--nproc_per_node=N to compare ranks.",
+                "--nproc-per-node N to compare ranks.",
                 UserWarning,
                 stacklevel=2,
             )
