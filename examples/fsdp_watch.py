@@ -93,7 +93,7 @@ def main(folder: Path) -> None:
             loss = nn.functional.mse_loss(net(x), y)
             loss.backward()
             opt.step()
-            run.step(loss.detach())
+            run.step(loss.detach(), batch=(x, y))  # the batch: samples per second
             if run.should_stop:
                 break
         run.epoch_end()

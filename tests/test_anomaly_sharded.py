@@ -126,3 +126,5 @@ def test_the_watched_fsdp_example_rolls_back_on_every_rank_and_stores_one_run(
         assert steps.tolist() == list(range(1, 401)) and float(losses[-1]) < 1
         _, mfu = store.metrics(run.id, "mfu")
         assert len(mfu) == 4 and all(0 < m <= 1 for m in mfu)
+        _, rates = store.metrics(run.id, "samples_per_second")
+        assert len(rates) == 4 and all(r > 0 for r in rates)

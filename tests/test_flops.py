@@ -117,6 +117,25 @@ def test_a_hand_loop_of_token_ids_stores_tokens_per_second(tmp_path: Path) -> No
         assert steps.tolist() == [4, 6] and all(r > 0 for r in rates.tolist())
 
 
+def test_a_hand_loop_that_passes_no_batch_is_told_how_to_get_the_throughput(
+    tmp_path: Path,
+) -> None:
+    net, opt = _mlp()
+    collector = FlopsUtilizationCollector(2, computility=CPU_PEAK)
+    recorder = RunRecorder(db=tmp_path / "runs.db", system_every=None)
+    x, y = _data(16)
+    told = pytest.warns(UserWarning, match=r"run.step\(loss, batch=\(x, y\)\)")
+    with told as seen, stepwatch.watch(net, opt, [collector, recorder], steps_per_epoch=6) as run:
+        for _ in range(6):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            run.step(loss)
+    assert sum("samples or tokens" in str(w.message) for w in seen) == 1  # once a run
+    assert collector.mfu is not None and collector.throughput is None
+
+
 def test_on_a_cpu_the_peak_must_be_given() -> None:
     assert peak_flops(torch.device("cpu")) is None
     net, opt = _mlp()
@@ -131,6 +150,7 @@ def test_on_a_cpu_the_peak_must_be_given() -> None:
         ({"data_size": 0}, ValueError, "data_size"),
         ({"data_size": "10"}, TypeError, "data_size"),
         ({"data_size": 1, "computility": 0}, ValueError, "computility"),
+        ({"data_size": 1, "computility": float("inf")}, ValueError, "a finite number"),
         ({"data_size": 1, "computility": "fast"}, TypeError, "computility"),
         ({"data_size": 1, "full_flops": 1}, TypeError, "full_flops"),
         ({"data_size": 1, "enable_ma_collector": True}, ValueError, "enable_ma_collector"),

@@ -128,10 +128,10 @@ class FlopsUtilizationCollector(Callback):
     ) -> None:
         self.data_size = check_int("data_size", data_size, minimum=1)
         self.computility = check_number("computility", computility, allow_none=True)
-        if self.computility is not None and not self.computility > 0:
+        if self.computility is not None and not 0 < self.computility < math.inf:
             raise ValueError(
-                f"'computility' must be the peak FLOP/s of one device (a number > 0, e.g. "
-                f"989e12 for an H100's bf16), or None, but got {computility!r}."
+                f"'computility' must be the peak FLOP/s of one device (a finite number > 0, "
+                f"e.g. 989e12 for an H100's bf16), or None, but got {computility!r}."
             )
         self.full_flops = check_bool("full_flops", full_flops)
         if check_bool("enable_ma_collector", enable_ma_collector):
@@ -152,6 +152,7 @@ class FlopsUtilizationCollector(Callback):
         self._eval_start = 0.0
         self._eval_seconds = 0.0
         self._warned = False
+        self._told_batch = False
         self._view: Any = None
 
     # -- the run ---------------------------------------------------------------------------------
@@ -163,8 +164,9 @@ class FlopsUtilizationCollector(Callback):
             what = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
             raise ValueError(
                 f"FlopsUtilizationCollector needs 'computility', the peak FLOP/s of one device: "
-                f"none is known for {what!r}. Pass it, e.g. "
-                "FlopsUtilizationCollector(100, computility=989e12) for an H100's dense bf16."
+                f"none is known for {what!r}. Pass it: the device's peak FLOP/s for the "
+                "dtype it trains in, e.g. computility=989e12 for an H100's dense bf16, or for "
+                "a CPU its cores x clock x FLOPs per cycle (about 1e11 to 1e12 for fp32)."
             )
         self._peak = float(peak)
         self._world = max(int(p.device_number), 1)
@@ -240,6 +242,15 @@ class FlopsUtilizationCollector(Callback):
                 self.throughput = count * self._world / seconds
                 key = names.TOKENS_PER_SECOND if tokens else names.SAMPLES_PER_SECOND
                 sink.log(key, self.throughput, step, epoch)
+            elif rows is None and not self._told_batch and p.rank_id == 0:
+                self._told_batch = True
+                warnings.warn(
+                    "FlopsUtilizationCollector records no samples or tokens per second: the "
+                    "run holds no batch. In a hand loop pass it: run.step(loss, batch=(x, y)) "
+                    "(token ids as an integer tensor, or a dict's 'input_ids').",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._start_interval(step)
         view.tap.call_at(self._next_print(step), self._report)
 
