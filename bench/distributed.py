@@ -36,11 +36,8 @@ import contextlib
 import datetime
 import gc
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 import stepwatch
+from _ranks import run_ranks  # bench/_ranks.py (the script's folder)
 from stepwatch.distributed import shutdown
 
 BATCH_SIZE = 32
@@ -217,31 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         f"python {sys.version.split()[0]}",
         flush=True,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        db = Path(tmp) / "bench.db"
-        procs = []
-        for rank in range(2):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-            }
-            cmd = [sys.executable, __file__, "--rounds", str(rounds), "--steps", str(steps)]
-            procs.append(subprocess.Popen([*cmd, "--db", str(db)], env=env))
-        try:
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return max(codes)
+    return run_ranks(__file__, ["--rounds", str(rounds), "--steps", str(steps)])
 
 
 if __name__ == "__main__":

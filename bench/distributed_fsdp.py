@@ -42,21 +42,18 @@ import contextlib
 import datetime
 import gc
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import stepwatch
+from _ranks import Counter, run_ranks  # bench/_ranks.py (the script's folder)
 from stepwatch.distributed import shutdown
 
 BATCH_SIZE = 32
@@ -64,7 +61,6 @@ WIDTH = 256
 CLASSES = 10
 LR = 0.1  # the labels are learnt within an epoch: a healthy run
 GOAL = 0.95
-COUNTED = ("all_reduce", "all_gather", "broadcast")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -91,45 +87,6 @@ def make_sharded(seed: int) -> nn.Module:
             fully_shard(layer)
     fully_shard(net)
     return net
-
-
-class Counter:
-    """Counts the collectives called through ``torch.distributed`` while it is on."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.calls: dict[str, int] = dict.fromkeys(COUNTED, 0)
-        self.elements = 0
-        self.seconds = 0.0  # wall time inside the counted collectives
-        for name in COUNTED:
-            original = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, original))
-
-    def _wrap(self, name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if not self.on:
-                return original(*args, **kwargs)
-            self.calls[name] += 1
-            tensor = args[1] if name == "all_gather" else args[0]
-            self.elements += tensor.numel() if isinstance(tensor, torch.Tensor) else 0
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        return counted
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self.calls = dict.fromkeys(COUNTED, 0)
-        self.elements = 0
-        self.seconds = 0.0
-        self.on = True
-        try:
-            yield
-        finally:
-            self.on = False
 
 
 def raw_runner(batches: list[Batch], seed: int) -> Callable[[], float]:
@@ -323,31 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         f"per process, python {sys.version.split()[0]}",
         flush=True,
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        db = Path(tmp) / "bench.db"
-        procs = []
-        for rank in range(2):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": "2",
-            }
-            cmd = [sys.executable, __file__, "--rounds", str(rounds), "--steps", str(steps)]
-            procs.append(subprocess.Popen([*cmd, "--db", str(db)], env=env))
-        try:
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return max(codes)
+    return run_ranks(__file__, ["--rounds", str(rounds), "--steps", str(steps)])
 
 
 if __name__ == "__main__":

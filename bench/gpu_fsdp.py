@@ -32,14 +32,10 @@ import contextlib
 import datetime
 import io
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +44,11 @@ import torch.distributed as dist
 from torch import nn
 
 import stepwatch
+from _ranks import Counter, run_ranks  # bench/_ranks.py (the script's folder)
 from stepwatch.distributed import shutdown
 
 GOAL = 0.95
 CLASSES = 10
-COUNTED = ("all_reduce", "all_gather", "broadcast")
 PRINT_EVERY = 100
 
 
@@ -74,31 +70,6 @@ def make_sharded(shape: Shape, device: torch.device, seed: int) -> nn.Module:
             fully_shard(layer)
     fully_shard(net)
     return net
-
-
-class Counter:
-    """Counts the collectives called through ``torch.distributed`` while it is on."""
-
-    def __init__(self) -> None:
-        self.on = False
-        self.calls = 0
-        for name in COUNTED:
-            setattr(dist, name, self._wrap(getattr(dist, name)))
-
-    def _wrap(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += self.on
-            return original(*args, **kwargs)
-
-        return counted
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[None]:
-        self.calls, self.on = 0, True
-        try:
-            yield
-        finally:
-            self.on = False
 
 
 class SyncGuard(stepwatch.Callback):
@@ -246,7 +217,7 @@ def worker(args: argparse.Namespace, db: Path) -> None:
                         t_raw = loop(nets["r"], opts["r"], batches, device, None)
                         t_config = config()
                 if name == "b watched":
-                    calls = counter.calls
+                    calls = counter.total
                 if round_index:
                     ratios[name].append(t_raw / t_config)
         if rank == 0:
@@ -294,31 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_fsdp: skipped - no CUDA device here (torch.cuda.is_available() is False).")
         return 0
     world = 2 if args.cpu else torch.cuda.device_count()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = []
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world),
-            }
-            cmd = [sys.executable, __file__, "--steps", str(args.steps)]
-            cmd += ["--rounds", str(args.rounds), "--db", str(Path(tmp) / "bench.db")]
-            procs.append(subprocess.Popen(cmd + (["--cpu"] if args.cpu else []), env=env))
-        try:
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return max(codes)
+    args_out = ["--steps", str(args.steps), "--rounds", str(args.rounds)]
+    return run_ranks(__file__, args_out + (["--cpu"] if args.cpu else []), world)
 
 
 if __name__ == "__main__":
