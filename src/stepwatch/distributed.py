@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,8 +63,6 @@ def check_launched_together() -> None:
     dist = torch.distributed
     if not world.isdigit() or int(world) < 2 or (dist.is_available() and dist.is_initialized()):
         return
-    import warnings
-
     warnings.warn(
         f"this process was started as one of WORLD_SIZE={world} (by torchrun or another "
         "launcher), but torch.distributed is not initialized: it trains alone, on all the "

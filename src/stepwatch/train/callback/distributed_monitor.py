@@ -140,9 +140,7 @@ class DistributedMonitor(Callback):
         self._active: set[tuple[str, int]] = set()  # the conditions at the last check
         self.last: dict[str, float] = {}
         self._rank = 0
-        self._replicated: list[torch.Tensor] = []
-        self._sharded: list[torch.Tensor] = []
-        self._shards = 0.0  # which shards this rank holds (see _split_parameters)
+        self._sharded = False  # FSDP2: the network holds shards (its forward gathers them)
         self._hooks: list[Any] = []
         self._sums = [0.0, 0.0, 0.0]  # step time, data wait, busy time over the interval
         self._steps = 0
@@ -174,7 +172,7 @@ class DistributedMonitor(Callback):
             self._watch = RankWatch(
                 p.rank_id, p.device_number, self.frozen_seconds, self._frozen, store
             ).start()
-        self._replicated, self._sharded, self._shards = _split_parameters(p.network)
+        self._sharded = bool(_split_parameters(p.network)[1])
         self._remove_hook()
         self._hooks = [
             p.network.register_forward_pre_hook(self._forward_begins),
